@@ -1,0 +1,50 @@
+"""co2jax: outer-optimizer algorithms (CO2, DiLoCo, eager/delayed DiLoCo, SlowMo, Local SGD).
+
+Each algorithm is an :class:`OuterOptimizer`: pure ``init``/``sync`` functions that
+communicate only by axis name, so the same code runs under ``jax.vmap(...,
+axis_name="replica")`` and under ``jax.shard_map`` on a device mesh. :func:`local_updates`
+turns one into an optax transform for ordinary per-step training loops.
+"""
+
+from co2jax import penalties
+from co2jax._base import REPLICA_AXIS, OuterOptimizer, Reducer, replica_mean
+from co2jax.adapter import LocalUpdatesState, local_updates
+from co2jax.algorithms import (
+    CO2MomentumState,
+    PseudoGradientState,
+    SlowMomentumState,
+    co2,
+    data_parallel,
+    delayed_diloco,
+    diloco,
+    eager_diloco,
+    local_sgd,
+    pseudo_gradient_method,
+    slowmo,
+)
+from co2jax.guards import SkipNonfiniteState, skip_nonfinite
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "REPLICA_AXIS",
+    "CO2MomentumState",
+    "LocalUpdatesState",
+    "OuterOptimizer",
+    "PseudoGradientState",
+    "Reducer",
+    "SkipNonfiniteState",
+    "SlowMomentumState",
+    "co2",
+    "data_parallel",
+    "delayed_diloco",
+    "diloco",
+    "eager_diloco",
+    "local_sgd",
+    "local_updates",
+    "penalties",
+    "pseudo_gradient_method",
+    "replica_mean",
+    "skip_nonfinite",
+    "slowmo",
+]

@@ -1,0 +1,24 @@
+"""The outer-optimizer algorithms."""
+
+from co2jax.algorithms.co2 import CO2MomentumState, co2, scale_by_co2_momentum
+from co2jax.algorithms.data_parallel import data_parallel
+from co2jax.algorithms.diloco import delayed_diloco, diloco, eager_diloco
+from co2jax.algorithms.local_sgd import local_sgd
+from co2jax.algorithms.pseudo_gradient import PseudoGradientState, pseudo_gradient_method
+from co2jax.algorithms.slowmo import SlowMomentumState, scale_by_slow_momentum, slowmo
+
+__all__ = [
+    "CO2MomentumState",
+    "PseudoGradientState",
+    "SlowMomentumState",
+    "co2",
+    "data_parallel",
+    "delayed_diloco",
+    "diloco",
+    "eager_diloco",
+    "local_sgd",
+    "pseudo_gradient_method",
+    "scale_by_co2_momentum",
+    "scale_by_slow_momentum",
+    "slowmo",
+]

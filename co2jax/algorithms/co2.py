@@ -1,0 +1,168 @@
+"""CO2: local updating with a one-round-stale asynchronous all-reduce (arXiv 2401.16265)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from co2jax import penalties as _penalties
+from co2jax._base import (
+    REPLICA_AXIS,
+    OuterOptimizer,
+    Reducer,
+    check_positive,
+    check_unit_interval,
+)
+from co2jax.algorithms.pseudo_gradient import pseudo_gradient_method
+
+MODES = ("paper", "reference_code")
+
+
+class CO2MomentumState(NamedTuple):
+    """State of :func:`scale_by_co2_momentum` (replica-invariant).
+
+    Attributes:
+      momentum: the outer momentum ``m`` (clipped when ``clip_threshold`` is set).
+      penalty_state: the staleness penalty's own state (``EmptyPenaltyState`` when none).
+    """
+
+    momentum: optax.Updates
+    penalty_state: Any
+
+
+def _scale(multiplier: Any, tree: Any) -> Any:
+    """Multiplies ``tree`` by a scalar or by a same-structure pytree, keeping leaf dtypes."""
+    if jax.tree.structure(multiplier) == jax.tree.structure(tree):
+        return jax.tree.map(lambda m, x: (m * x).astype(x.dtype), multiplier, tree)
+    return jax.tree.map(lambda x: (multiplier * x).astype(x.dtype), tree)
+
+
+def scale_by_co2_momentum(
+    learning_rate: float,
+    momentum: float,
+    clip_threshold: float | None = None,
+    penalty: _penalties.Penalty | None = None,
+) -> optax.GradientTransformation:
+    """CO2's outer step on the (stale) averaged pseudo-gradient ``g``, anchor as ``params``.
+
+    ``m <- clip(beta*m + Lambda*g, -phi, phi)``; the update is ``-alpha*m``. The previous
+    anchor handed to the penalty is ``theta^(t) + alpha*m_(t-1)``: the last update undone.
+    """
+
+    def init(params):
+        pstate = penalty.init(params) if penalty is not None else _penalties.EmptyPenaltyState()
+        return CO2MomentumState(jax.tree.map(jnp.zeros_like, params), pstate)
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("scale_by_co2_momentum needs params (the anchor)")
+        pstate = state.penalty_state
+        if penalty is not None:
+            previous_anchor = jax.tree.map(
+                lambda a, m: a + learning_rate * m, params, state.momentum
+            )
+            lam, pstate = penalty.update(params, previous_anchor, updates, pstate)
+            updates = _scale(lam, updates)
+        m = jax.tree.map(lambda m, g: (momentum * m + g).astype(m.dtype), state.momentum, updates)
+        if clip_threshold is not None:
+            m = jax.tree.map(lambda x: jnp.clip(x, -clip_threshold, clip_threshold), m)
+        out = jax.tree.map(lambda x: (-learning_rate * x).astype(x.dtype), m)
+        return out, CO2MomentumState(m, pstate)
+
+    return optax.GradientTransformation(init, update)
+
+
+def co2(
+    learning_rate: float,
+    momentum: float,
+    clip_threshold: float | None = None,
+    penalty: _penalties.Penalty | Callable | None = None,
+    mode: str = "paper",
+    *,
+    axis_name: str = REPLICA_AXIS,
+    reduce: Reducer | None = None,
+) -> OuterOptimizer:
+    """CO2: the outer update uses the previous round's averaged pseudo-gradient.
+
+    ``mode="paper"`` (the algorithm of the paper). At the end of round t:
+
+    .. math::
+
+        m_t &= \\beta m_{t-1} + \\Lambda_t \\odot \\bar\\Delta^{(t-1)} \\\\
+        m_t &= \\operatorname{clip}(m_t, -\\phi, \\phi) \\\\
+        \\theta^{(t+1)} &= \\theta^{(t)} - \\alpha m_t
+
+    with ``Delta-bar^(-1) = 0`` (the first round's progress lands one round late). Replicas
+    restart from ``theta^(t+1)``; their ``Delta_r^(t)`` is reduced during round t+1, so the
+    reduction can hide behind the inner steps (``staleness == 1``). Clipping is an
+    element-wise clamp of the momentum state and really clips.
+
+    ``mode="reference_code"`` reproduces the released implementation: a synchronous average
+    (``Delta-bar^(t)``, no delay), a constant penalty ``1/lambda``, and no clipping. The
+    released code calls an out-of-place clamp and discards its result, so its clip is a
+    no-op: a ``clip_threshold`` given in this mode is ignored (with a warning), as there.
+
+    Args:
+      learning_rate: ``alpha`` (> 0); released default 1.0.
+      momentum: ``beta`` in [0, 1); released default 0.5 (fairseq picks it by GPU count).
+      clip_threshold: ``phi`` (> 0), or ``None`` for no clipping.
+      penalty: ``Lambda``: ``None`` (none), a :class:`co2jax.penalties.Penalty` such as
+        ``penalties.constant(lam)`` or ``penalties.gap_aware()``, or a callable
+        ``fn(anchor, previous_anchor, stale_delta) -> multiplier``. ``reference_code`` mode
+        accepts only ``None`` or a constant.
+      mode: ``"paper"`` or ``"reference_code"``.
+      axis_name: the replica axis.
+      reduce: the cross-replica reduction (default: mean over ``axis_name``).
+
+    Returns:
+      An :class:`~co2jax.OuterOptimizer` with
+      :class:`~co2jax.algorithms.pseudo_gradient.PseudoGradientState` whose ``outer_state``
+      is a :class:`CO2MomentumState`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, co2jax
+      >>> outer = co2jax.co2(learning_rate=1.0, momentum=0.5, clip_threshold=1.5)
+      >>> state = jax.vmap(outer.init)(jnp.zeros((2, 1)))
+      >>> sync = jax.vmap(outer.sync, axis_name="replica")
+      >>> params, state = sync(jnp.array([[1.0], [3.0]]), state)
+      >>> params  # Delta-bar^(-1) = 0: nothing moves yet
+      Array([[0.],
+             [0.]], dtype=float32)
+      >>> params, state = sync(params, state)  # applies -2, clipped to -1.5
+      >>> params
+      Array([[1.5],
+             [1.5]], dtype=float32)
+
+    References:
+      Sun et al., "CO2: Efficient Distributed Training with Full Communication-Computation
+      Overlap", ICLR 2024, arXiv 2401.16265.
+    """
+    alpha = check_positive("learning_rate", learning_rate)
+    beta = check_unit_interval("momentum", momentum)
+    if clip_threshold is not None:
+        clip_threshold = check_positive("clip_threshold", clip_threshold)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got mode={mode!r}")
+    penalty = _penalties.as_penalty(penalty)
+    if mode == "reference_code":
+        if penalty is not None and penalty.kind != "constant":
+            raise ValueError(
+                "mode='reference_code' uses the released code's constant penalty; got "
+                f"penalty={penalty!r}. Pass penalties.constant(lam) or None, or use mode='paper'."
+            )
+        if clip_threshold is not None:
+            warnings.warn(
+                f"co2(mode='reference_code') ignores clip_threshold={clip_threshold}: the "
+                "released code's clip is a no-op (an out-of-place clamp whose result is "
+                "discarded). Use mode='paper' for a clip that clips.",
+                stacklevel=2,
+            )
+            clip_threshold = None
+    outer = scale_by_co2_momentum(alpha, beta, clip_threshold, penalty)
+    delay = 1 if mode == "paper" else 0
+    return pseudo_gradient_method(outer, delay=delay, axis_name=axis_name, reduce=reduce)

@@ -1,0 +1,118 @@
+"""The shared machinery: an optax transform stepping an anchor on (delayed) pseudo-gradients.
+
+Every algorithm in :mod:`co2jax.algorithms` except ``data_parallel`` is this machinery with a
+particular outer transform, delay and mixing rule. Per replica r and round t, with anchor
+``theta^(t)`` and local parameters ``theta_r^(t,H)`` after the round's inner steps:
+
+    Delta_r^(t)   = theta^(t) - theta_r^(t,H)                 (pseudo-gradient)
+    g^(t)         = mean_r Delta_r^(t - d)                    (d = delay; zero while t - d < 0)
+    eager only:   g_r^(t) = g^(t) + (Delta_r^(t) - Delta_r^(t - d)) / R
+    theta^(t+1)   = theta^(t) + OuterOpt.update(g^(t), outer_state, theta^(t))
+
+and every replica restarts round t+1 from ``theta^(t+1)``. Because the mean is linear, reducing
+``Delta_r`` rather than parameters is the same average and needs no copy of the old anchor.
+
+With d >= 1 the payload reduced at round t was produced at round t - d and is kept in
+``pending``: it depends on the state only (``staleness = d``), so an engine can issue its
+reduction before the round's inner steps and hide it behind them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import optax
+
+from co2jax._base import (
+    REPLICA_AXIS,
+    OuterOptimizer,
+    Params,
+    Reducer,
+    check_axis,
+    check_axis_name,
+    check_int,
+    check_transform,
+    make_outer_optimizer,
+    replica_mean,
+    tree_sub,
+)
+
+
+class PseudoGradientState(NamedTuple):
+    """State of a pseudo-gradient outer optimizer (one per replica).
+
+    Attributes:
+      anchor: the global parameters every replica started the current round from.
+        Replica-invariant (replica-varying for eager updates, whose anchor is replica-local).
+        Same dtype as the parameters.
+      outer_state: the outer optax transform's state, stepped once per sync.
+        Replica-invariant (replica-varying for eager updates).
+      pending: the replica's own pseudo-gradients of the last ``delay`` rounds, oldest first,
+        not yet applied. Replica-varying. Empty when ``delay == 0``.
+    """
+
+    anchor: Params
+    outer_state: optax.OptState
+    pending: tuple[Params, ...]
+
+
+def pseudo_gradient_method(
+    outer_optimizer: optax.GradientTransformation,
+    *,
+    delay: int = 0,
+    eager: bool = False,
+    num_replicas: int | None = None,
+    axis_name: str = REPLICA_AXIS,
+    reduce: Reducer | None = None,
+) -> OuterOptimizer:
+    """Builds an outer optimizer that applies ``outer_optimizer`` to averaged pseudo-gradients.
+
+    Args:
+      outer_optimizer: any optax transform; it receives the averaged pseudo-gradient as its
+        "gradient" and the anchor as ``params``, and its updates are added to the anchor.
+      delay: rounds between producing a pseudo-gradient and applying its average (0 = DiLoCo).
+      eager: mix the replica's own current pseudo-gradient into the delayed average (eager
+        updates); requires ``delay >= 1`` and makes the anchor and outer state replica-local.
+      num_replicas: R for the eager mix; ``None`` reads the size of ``axis_name``.
+      axis_name: the replica axis.
+      reduce: the cross-replica reduction; defaults to the mean over ``axis_name``.
+
+    Returns:
+      An :class:`~co2jax.OuterOptimizer` with :class:`PseudoGradientState`.
+    """
+    check_transform("outer_optimizer", outer_optimizer)
+    delay = check_int("delay", delay, 0)
+    check_axis_name("axis_name", axis_name)
+    if eager and delay < 1:
+        raise ValueError(f"eager updates need delay >= 1, got delay={delay!r}")
+    if num_replicas is not None:
+        num_replicas = check_int("num_replicas", num_replicas, 1)
+    reduce = replica_mean(axis_name) if reduce is None else reduce
+
+    def init(params: Params) -> PseudoGradientState:
+        pending = tuple(jax.tree.map(jax.numpy.zeros_like, params) for _ in range(delay))
+        return PseudoGradientState(params, outer_optimizer.init(params), pending)
+
+    def payload(params: Params, state: PseudoGradientState) -> Params:
+        return state.pending[0] if delay else tree_sub(state.anchor, params)
+
+    def apply(params: Params, state: PseudoGradientState, reduced: Any):
+        pending: tuple[Params, ...] = ()
+        direction = reduced
+        if delay:
+            delta_now = tree_sub(state.anchor, params)
+            pending = (*state.pending[1:], delta_now)
+            if eager:
+                r = num_replicas if num_replicas is not None else check_axis(axis_name)
+                direction = jax.tree.map(
+                    lambda avg, now, old: avg + (now - old) / r,
+                    reduced,
+                    delta_now,
+                    state.pending[0],
+                )
+        updates, outer_state = outer_optimizer.update(direction, state.outer_state, state.anchor)
+        anchor = optax.apply_updates(state.anchor, updates)
+        return anchor, PseudoGradientState(anchor, outer_state, pending)
+
+    return make_outer_optimizer(init, payload, apply, reduce, staleness=delay)

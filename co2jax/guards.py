@@ -1,0 +1,79 @@
+"""Guards around outer optimizers."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from co2jax._base import (
+    OuterOptimizer,
+    Params,
+    make_outer_optimizer,
+    tree_all_finite,
+    tree_select,
+)
+
+
+class SkipNonfiniteState(NamedTuple):
+    """State of :func:`skip_nonfinite`.
+
+    Attributes:
+      inner_state: the wrapped outer optimizer's state.
+      num_skipped: 0-d int32, how many syncs were skipped (replica-invariant, except under
+        eager updates, whose outer step is replica-local).
+    """
+
+    inner_state: Any
+    num_skipped: jax.Array
+
+
+def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
+    """Skips the outer step when the averaged pseudo-gradient has a NaN or an Inf.
+
+    At a sync whose reduced payload (the averaged pseudo-gradient about to be applied) or
+    resulting anchor is not finite everywhere, the anchor and the outer optimizer's state stay
+    as they were, every replica restarts from that unchanged anchor, and ``num_skipped``
+    counts it. The reduced payload is identical on every replica, so every replica takes the
+    same decision. Delayed algorithms still advance their in-flight pseudo-gradients: the
+    one produced this round is sent as usual (if it is the non-finite one, the next sync is
+    skipped in turn, and the replicas, restarted from a finite anchor, recover).
+
+    The wrapped state must have an ``anchor`` field (every algorithm in co2jax has one).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, co2jax
+      >>> outer = co2jax.skip_nonfinite(co2jax.local_sgd())
+      >>> state = jax.vmap(outer.init)(jnp.zeros((2, 1)))
+      >>> params, state = jax.vmap(outer.sync, axis_name="replica")(
+      ...     jnp.array([[1.0], [jnp.nan]]), state)
+      >>> params, state.num_skipped
+      (Array([[0.],
+             [0.]], dtype=float32), Array([1, 1], dtype=int32))
+    """
+
+    def init(params: Params) -> SkipNonfiniteState:
+        inner = outer.init(params)
+        if not hasattr(inner, "anchor"):
+            raise TypeError(
+                "skip_nonfinite needs an outer state with an 'anchor' field (the parameters "
+                f"replicas restart from); got state of type {type(inner).__name__}"
+            )
+        return SkipNonfiniteState(inner, jnp.zeros([], jnp.int32))
+
+    def payload(params: Params, state: SkipNonfiniteState) -> Any:
+        return outer.payload(params, state.inner_state)
+
+    def apply(params: Params, state: SkipNonfiniteState, reduced: Any):
+        new_params, new_inner = outer.apply(params, state.inner_state, reduced)
+        ok = tree_all_finite(reduced) & tree_all_finite(new_params)
+        kept = state.inner_state
+        if hasattr(kept, "pending"):
+            kept = kept._replace(pending=new_inner.pending)
+        inner = tree_select(ok, new_inner, kept)
+        params_out = tree_select(ok, new_params, state.inner_state.anchor)
+        skipped = state.num_skipped + jnp.logical_not(ok).astype(jnp.int32)
+        return params_out, SkipNonfiniteState(inner, skipped)
+
+    return make_outer_optimizer(init, payload, apply, outer.reduce, outer.staleness)

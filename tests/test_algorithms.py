@@ -1,0 +1,153 @@
+"""Every algorithm against its numpy textbook loop: under jax.vmap and under jax.shard_map."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import textbook as tb
+from jax.sharding import AxisType
+
+import co2jax
+from co2jax import penalties
+
+LR, H, ROUNDS = 0.1, 3, 5
+NESTEROV = dict(eta=0.7, mu=0.9)
+
+
+def _gamma(t):
+    return 0.1 / (1.0 + t)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    make: Callable[[], co2jax.OuterOptimizer]
+    textbook: Callable[[tb.Problem], np.ndarray]
+
+
+def _nesterov():
+    return optax.sgd(NESTEROV["eta"], momentum=NESTEROV["mu"], nesterov=True)
+
+
+CASES = [
+    Case("local_sgd", co2jax.local_sgd, lambda p: tb.local_sgd(p, LR, H, ROUNDS)),
+    Case(
+        "diloco",
+        lambda: co2jax.diloco(_nesterov()),
+        lambda p: tb.diloco_nesterov(p, LR, H, ROUNDS, **NESTEROV),
+    ),
+    Case(
+        "delayed_diloco",
+        lambda: co2jax.delayed_diloco(_nesterov(), delay=1),
+        lambda p: tb.diloco_nesterov(p, LR, H, ROUNDS, **NESTEROV, delay=1),
+    ),
+    Case(
+        "delayed_diloco_2",
+        lambda: co2jax.delayed_diloco(_nesterov(), delay=2),
+        lambda p: tb.diloco_nesterov(p, LR, H, ROUNDS, **NESTEROV, delay=2),
+    ),
+    Case(
+        "eager_diloco",
+        lambda: co2jax.eager_diloco(_nesterov()),
+        lambda p: tb.eager_nesterov(p, LR, H, ROUNDS, **NESTEROV),
+    ),
+    Case(
+        "slowmo",
+        lambda: co2jax.slowmo(_gamma, slow_learning_rate=0.9, slow_momentum=0.6),
+        lambda p: tb.slowmo(p, LR, H, ROUNDS, _gamma, alpha=0.9, beta=0.6),
+    ),
+    Case(
+        "co2",
+        lambda: co2jax.co2(learning_rate=1.0, momentum=0.5),
+        lambda p: tb.co2_paper(p, LR, H, ROUNDS, alpha=1.0, beta=0.5),
+    ),
+    Case(
+        "co2_clip",
+        lambda: co2jax.co2(learning_rate=1.0, momentum=0.5, clip_threshold=0.1),
+        lambda p: tb.co2_paper(p, LR, H, ROUNDS, alpha=1.0, beta=0.5, phi=0.1),
+    ),
+    Case(
+        "co2_gap_aware",
+        lambda: co2jax.co2(0.8, 0.5, penalty=penalties.gap_aware(decay=0.9)),
+        lambda p: tb.co2_paper(
+            p, LR, H, ROUNDS, alpha=0.8, beta=0.5, penalty=tb.gap_aware_penalty(0.9)
+        ),
+    ),
+    Case(
+        "co2_callable_penalty",
+        lambda: co2jax.co2(1.0, 0.3, penalty=lambda anchor, prev, delta: 0.5),
+        lambda p: tb.co2_paper(p, LR, H, ROUNDS, alpha=1.0, beta=0.3, penalty=lambda a, b: 0.5),
+    ),
+    Case(
+        "co2_reference_code",
+        lambda: co2jax.co2(1.0, 0.5, penalty=penalties.constant(2.0), mode="reference_code"),
+        lambda p: tb.co2_reference_code(p, LR, H, ROUNDS, alpha=1.0, beta=0.5, lam=2.0),
+    ),
+]
+IDS = [c.name for c in CASES]
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return tb.make_problem(replicas=4, examples=2)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_vmap_matches_textbook(case, problem):
+    expected = case.textbook(problem)
+    got, _ = harness.run_vmap(case.make(), problem, LR, H, ROUNDS)
+    np.testing.assert_allclose(got, expected, **harness.TOL[jnp.dtype(jnp.float32)])
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_shard_map_matches_textbook(case, axis_type, problem):
+    mesh = harness.make_mesh(replica=4, data=2, axis_type=axis_type)
+    expected = case.textbook(problem)
+    got, _ = harness.run_shard_map(case.make(), problem, LR, H, ROUNDS, mesh)
+    np.testing.assert_allclose(got, expected, **harness.TOL[jnp.dtype(jnp.float32)])
+
+
+def test_textbook_clip_binds(problem):
+    """The clipped case must differ from the unclipped one, or it proves nothing."""
+    clipped = tb.co2_paper(problem, LR, H, ROUNDS, alpha=1.0, beta=0.5, phi=0.1)
+    free = tb.co2_paper(problem, LR, H, ROUNDS, alpha=1.0, beta=0.5)
+    assert np.abs(clipped - free).max() > 0.05
+    # and every step it takes is within phi (alpha = 1)
+    steps = np.abs(np.diff(clipped[:, 0], axis=0))
+    assert steps.max() <= 0.1 + 1e-12
+
+
+def test_gap_aware_penalty_is_active(problem):
+    with_penalty = tb.co2_paper(
+        problem, LR, H, ROUNDS, alpha=0.8, beta=0.5, penalty=tb.gap_aware_penalty(0.9)
+    )
+    without = tb.co2_paper(problem, LR, H, ROUNDS, alpha=0.8, beta=0.5)
+    assert np.abs(with_penalty - without).max() > 1e-2
+
+
+def test_data_parallel_matches_textbook(problem):
+    opt = co2jax.data_parallel(optax.sgd(LR))
+    params = harness.initial_params(problem)
+    state = jax.vmap(opt.init)(params)
+    d, c = jnp.asarray(problem.d), jnp.asarray(problem.c)
+
+    def step(params, state, d, c):
+        updates, state = opt.update(jax.grad(harness.loss_fn)(params, d, c), state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.vmap(step, axis_name="replica"))
+    got = []
+    for _ in range(ROUNDS):
+        for _ in range(H):
+            params, state = step(params, state, d, c)
+        got.append(np.asarray(harness.flatten(params)))
+    expected = tb.data_parallel_sgd(problem, LR, H, ROUNDS)
+    np.testing.assert_allclose(np.stack(got), expected, **harness.TOL[jnp.dtype(jnp.float32)])

@@ -1,0 +1,162 @@
+"""Numpy textbook loops, transcribed from ALGORITHMS.md, in float64 and plain Python loops.
+
+Each function runs ``rounds`` rounds of ``H`` inner SGD steps on every replica of a
+:class:`Problem` and returns the parameters every replica starts the next round from, per
+round: an array ``[rounds, R, dim]``. Nothing here imports co2jax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Problem:
+    """Replica r minimises ``mean_k 0.5 * sum(d_r * (theta - c_{r,k})**2)``.
+
+    Its gradient is ``d_r * (theta - mean_k c_{r,k})``: heterogeneous curvature and optimum.
+    """
+
+    d: np.ndarray  # [R, dim]
+    c: np.ndarray  # [R, K, dim]
+    theta0: np.ndarray  # [dim]
+
+    @property
+    def replicas(self) -> int:
+        return self.d.shape[0]
+
+    def grad(self, r: int, theta: np.ndarray) -> np.ndarray:
+        return self.d[r] * (theta - self.c[r].mean(axis=0))
+
+
+def make_problem(replicas: int = 4, examples: int = 2, dim: int = 5, seed: int = 0) -> Problem:
+    rng = np.random.default_rng(seed)
+    d = rng.uniform(0.5, 2.0, size=(replicas, dim))
+    c = rng.normal(size=(replicas, examples, dim))
+    theta0 = rng.normal(size=dim)
+    return Problem(d, c, theta0)
+
+
+def inner_sgd(problem: Problem, r: int, theta: np.ndarray, lr: float, steps: int) -> np.ndarray:
+    theta = theta.copy()
+    for _ in range(steps):
+        theta = theta - lr * problem.grad(r, theta)
+    return theta
+
+
+def _avg_pseudo_gradient(problem, anchor, lr, H):
+    local = [inner_sgd(problem, r, anchor, lr, H) for r in range(problem.replicas)]
+    return np.mean([anchor - x for x in local], axis=0)
+
+
+def _record(history, x, replicas):
+    """Appends what each replica starts the next round from: ``[R, dim]``."""
+    history.append(np.stack(x) if isinstance(x, list) else np.stack([x] * replicas))
+
+
+def local_sgd(problem: Problem, lr: float, H: int, rounds: int) -> np.ndarray:
+    """theta^(t+1) = mean_r theta_r^(t,H)."""
+    anchor, out = problem.theta0.copy(), []
+    for _ in range(rounds):
+        local = [inner_sgd(problem, r, anchor, lr, H) for r in range(problem.replicas)]
+        anchor = np.mean(local, axis=0)
+        _record(out, anchor, problem.replicas)
+    return np.array(out)
+
+
+def diloco_nesterov(problem, lr, H, rounds, eta, mu, delay=0):
+    """b <- mu*b + g; theta <- theta - eta*(g + mu*b), g = Delta-bar^(t - delay) (0 before)."""
+    anchor, b, history, out = problem.theta0.copy(), 0.0, [], []
+    for t in range(rounds):
+        history.append(_avg_pseudo_gradient(problem, anchor, lr, H))
+        g = history[t - delay] if t - delay >= 0 else np.zeros_like(anchor)
+        b = mu * b + g
+        anchor = anchor - eta * (g + mu * b)
+        _record(out, anchor, problem.replicas)
+    return np.array(out)
+
+
+def eager_nesterov(problem, lr, H, rounds, eta, mu):
+    """Delta-hat_r^(t) = Delta-bar^(t-1) + (Delta_r^(t) - Delta_r^(t-1)) / R, replica-local."""
+    R = problem.replicas
+    anchors = [problem.theta0.copy() for _ in range(R)]
+    b = [np.zeros_like(problem.theta0) for _ in range(R)]
+    prev = [np.zeros_like(problem.theta0) for _ in range(R)]
+    prev_avg = np.zeros_like(problem.theta0)
+    out = []
+    for _ in range(rounds):
+        deltas = [anchors[r] - inner_sgd(problem, r, anchors[r], lr, H) for r in range(R)]
+        for r in range(R):
+            g = prev_avg + (deltas[r] - prev[r]) / R
+            b[r] = mu * b[r] + g
+            anchors[r] = anchors[r] - eta * (g + mu * b[r])
+        prev, prev_avg = deltas, np.mean(deltas, axis=0)
+        _record(out, list(anchors), R)
+    return np.array(out)
+
+
+def slowmo(problem, lr, H, rounds, gamma, alpha, beta):
+    """m <- beta*m + Delta-bar/gamma_t; theta <- theta - alpha*gamma_t*m."""
+    anchor, m, out = problem.theta0.copy(), 0.0, []
+    for t in range(rounds):
+        g = _avg_pseudo_gradient(problem, anchor, lr, H)
+        m = beta * m + g / gamma(t)
+        anchor = anchor - alpha * gamma(t) * m
+        _record(out, anchor, problem.replicas)
+    return np.array(out)
+
+
+def gap_aware_penalty(decay, eps=1e-12):
+    """Returns a stateful Lambda(anchor, previous_anchor) per ALGORITHMS.md / the docstring."""
+    state = {"C": None, "n": 0}
+
+    def penalty(anchor, previous_anchor):
+        gap = np.abs(anchor - previous_anchor)
+        C = np.zeros_like(anchor) if state["C"] is None else state["C"]
+        c_hat = C / (1 - decay ** state["n"]) if state["n"] > 0 else np.zeros_like(C)
+        lam = np.ones_like(anchor)
+        has = c_hat > eps
+        lam[has] = 1.0 / (1.0 + gap[has] / c_hat[has])
+        state["C"], state["n"] = decay * C + (1 - decay) * gap, state["n"] + 1
+        return lam
+
+    return penalty
+
+
+def co2_paper(problem, lr, H, rounds, alpha, beta, phi=None, penalty=None):
+    """m = clip(beta*m + Lambda*Delta-bar^(t-1), -phi, phi); theta -= alpha*m; Delta-bar^(-1)=0."""
+    anchor, previous, m = problem.theta0.copy(), problem.theta0.copy(), 0.0
+    stale, out = np.zeros_like(anchor), []
+    for _ in range(rounds):
+        fresh = _avg_pseudo_gradient(problem, anchor, lr, H)
+        lam = 1.0 if penalty is None else penalty(anchor, previous)
+        m = beta * m + lam * stale
+        if phi is not None:
+            m = np.clip(m, -phi, phi)
+        previous, anchor, stale = anchor, anchor - alpha * m, fresh
+        _record(out, anchor, problem.replicas)
+    return np.array(out)
+
+
+def co2_reference_code(problem, lr, H, rounds, alpha, beta, lam=1.0):
+    """The released code: synchronous average, m = beta*m + Delta-bar/lam, no clip."""
+    anchor, m, out = problem.theta0.copy(), 0.0, []
+    for _ in range(rounds):
+        m = beta * m + _avg_pseudo_gradient(problem, anchor, lr, H) / lam
+        anchor = anchor - alpha * m
+        _record(out, anchor, problem.replicas)
+    return np.array(out)
+
+
+def data_parallel_sgd(problem, lr, H, rounds):
+    """theta <- theta - lr * mean_r grad_r(theta), recorded every H steps."""
+    theta, out = problem.theta0.copy(), []
+    for _ in range(rounds):
+        for _ in range(H):
+            theta = theta - lr * np.mean(
+                [problem.grad(r, theta) for r in range(problem.replicas)], axis=0
+            )
+        _record(out, theta, problem.replicas)
+    return np.array(out)
