@@ -52,9 +52,14 @@ def _inner_scan(inner, params, inner_state, grad_fn, H):
     return params, inner_state
 
 
-def run_vmap(outer, problem: Problem, lr: float, H: int, rounds: int, dtype=jnp.float32):
-    """Simulates R replicas with jax.vmap(axis_name="replica"): [rounds, R, dim] anchors."""
-    inner = optax.sgd(lr)
+def run_vmap(
+    outer, problem: Problem, lr: float, H: int, rounds: int, dtype=jnp.float32, inner=None
+):
+    """Simulates R replicas with jax.vmap(axis_name="replica"): [rounds, R, dim] anchors.
+
+    ``inner`` defaults to ``optax.sgd(lr)``.
+    """
+    inner = optax.sgd(lr) if inner is None else inner
     params = initial_params(problem, dtype)
     state = jax.vmap(outer.init)(params)
     inner_state = jax.vmap(inner.init)(params)
@@ -170,11 +175,13 @@ def _groups(attr: str) -> list[tuple[int, ...]]:
 def collectives(hlo: str, op: str = "all-reduce") -> list[list[tuple[int, ...]]]:
     """The replica groups of every ``op`` instruction (start ops for async forms) in ``hlo``."""
     out = []
+    pattern = re.compile(rf"^\s*(ROOT )?%\S+ = .*? {op}(-start)?\(")
     for line in hlo.splitlines():
-        if re.search(rf"= \S+ {op}(-start)?\(", line) or re.search(rf"\s{op}(-start)?\(", line):
-            m = re.search(r"replica_groups=(\{\{[^=]*?\}\}|\[[^ ,]*?\][^ ,]*|\{\})", line)
-            if m and "=" in line.split(op)[0]:
-                out.append(_groups(m.group(1)) if m.group(1) != "{}" else [])
+        if pattern.search(line):
+            m = re.search(
+                r"replica_groups=(\{\{[\d,{}]*\}\}|\[[\d,]+\]<=\[[\d,]+\](T\([\d,]+\))?|\{\})", line
+            )
+            out.append(_groups(m.group(1)) if m and m.group(1) != "{}" else [])
     return out
 
 
@@ -194,3 +201,19 @@ def count_replica_collectives(hlo: str, mesh, op: str = "all-reduce") -> int:
         if {tuple(sorted(g)) for g in groups} == want:
             n += 1
     return n
+
+
+def replica_reduced_elements(hlo: str, mesh, op: str = "all-reduce") -> int:
+    """Total number of elements that ``op`` instructions reduce over the replica axis."""
+    want = replica_axis_groups(mesh)
+    pattern = re.compile(rf"^\s*(?:ROOT )?%\S+ = (.*?) {op}(?:-start)?\(")
+    total = 0
+    for line, groups in zip(
+        [ln for ln in hlo.splitlines() if pattern.search(ln)], collectives(hlo, op), strict=True
+    ):
+        if {tuple(sorted(g)) for g in groups} != want:
+            continue
+        shape_text = pattern.search(line).group(1)
+        for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", shape_text):
+            total += int(np.prod([int(v) for v in dims.split(",") if v] or [1]))
+    return total

@@ -1,0 +1,172 @@
+"""The per-step adapter: equal to round-level syncs, compiles once, works in nnx.Optimizer."""
+
+from __future__ import annotations
+
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import textbook as tb
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from test_algorithms import CASES, IDS
+
+import co2jax
+
+LR, H, ROUNDS = 0.05, 3, 4
+TOL = harness.TOL[jnp.dtype(jnp.float32)]
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return tb.make_problem(replicas=4, examples=2, seed=4)
+
+
+def _adapter_run(tx, problem, steps):
+    params = harness.initial_params(problem)
+    state = jax.vmap(tx.init)(params)
+    d, c = jnp.asarray(problem.d), jnp.asarray(problem.c)
+
+    def step(params, state, d, c):
+        updates, state = tx.update(jax.grad(harness.loss_fn)(params, d, c), state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.vmap(step, axis_name="replica"))
+    out = []
+    for i in range(steps):
+        params, state = step(params, state, d, c)
+        if (i + 1) % H == 0:
+            out.append(np.asarray(harness.flatten(params)))
+    return np.stack(out), step
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_adapter_equals_round_sync(case, problem):
+    """Adam inner state persists across syncs in both; the trajectories must agree."""
+    round_level, _ = harness.run_vmap(case.make(), problem, LR, H, ROUNDS, inner=optax.adam(LR))
+    tx = co2jax.local_updates(optax.adam(LR), case.make(), sync_every=H)
+    per_step, step = _adapter_run(tx, problem, ROUNDS * H)
+    np.testing.assert_allclose(per_step, round_level, **TOL)
+    assert step._cache_size() == 1  # sync and non-sync steps share one compiled program
+
+
+def test_adapter_sgd_matches_textbook(problem):
+    tx = co2jax.local_updates(optax.sgd(LR), co2jax.co2(1.0, 0.5, clip_threshold=0.1), H)
+    got, _ = _adapter_run(tx, problem, ROUNDS * H)
+    expected = tb.co2_paper(problem, LR, H, ROUNDS, alpha=1.0, beta=0.5, phi=0.1)
+    np.testing.assert_allclose(got, expected, **TOL)
+
+
+def test_state_types_identical_on_sync_and_non_sync_steps(problem):
+    tx = co2jax.local_updates(optax.adam(LR), co2jax.co2(1.0, 0.5), sync_every=2)
+    params = harness.initial_params(problem)
+    state = jax.vmap(tx.init)(params)
+    step = jax.vmap(tx.update, axis_name="replica")
+    grads = jax.tree.map(jnp.ones_like, params)
+    types = lambda s: jax.tree.map(lambda x: (x.shape, x.dtype), s)
+    _, s1 = step(grads, state, params)  # non-sync
+    _, s2 = step(grads, s1, params)  # sync
+    assert jax.tree.structure(s1) == jax.tree.structure(s2) == jax.tree.structure(state)
+    assert types(s1) == types(s2) == types(state)
+
+
+def test_adapter_under_shard_map_syncs_only_in_the_taken_branch(problem):
+    """Under shard_map the sync's collective sits inside the conditional's branch."""
+    mesh = harness.make_mesh(replica=4, data=2)
+    tx = co2jax.local_updates(optax.sgd(LR), co2jax.diloco(optax.sgd(0.7, momentum=0.9)), H)
+    params = harness.initial_params(problem)
+    state = jax.vmap(tx.init)(params)
+    rep = P("replica")
+    params, state = harness.place(params, mesh, rep), harness.place(state, mesh, rep)
+    d = harness.place(jnp.asarray(problem.d), mesh, rep)
+    c = harness.place(jnp.asarray(problem.c), mesh, P("replica", "data"))
+
+    def body(params, state, d, c):
+        params, state, d, c = jax.tree.map(lambda x: x[0], (params, state, d, c))
+        p = jax.lax.pcast(params, "data", to="varying")
+        grads = jax.lax.pmean(jax.grad(harness.loss_fn)(p, d, c), "data")
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        return jax.tree.map(lambda x: x[None], (params, state))
+
+    step = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(rep, rep, rep, P("replica", "data")), out_specs=rep
+        )
+    )
+    got = []
+    for i in range(ROUNDS * H):
+        params, state = step(params, state, d, c)
+        if (i + 1) % H == 0:
+            got.append(np.asarray(harness.flatten(params)))
+    expected, _ = harness.run_vmap(
+        co2jax.diloco(optax.sgd(0.7, momentum=0.9)), problem, LR, H, ROUNDS
+    )
+    np.testing.assert_allclose(np.stack(got), expected, **TOL)
+
+    hlo = step.lower(params, state, d, c).compile().as_text()
+    entry = hlo[hlo.index("ENTRY") :]
+    assert "conditional(" in entry
+    assert harness.count_replica_collectives(entry.split("\n}\n")[0], mesh) == 0
+    assert harness.count_replica_collectives(hlo, mesh) >= 1
+
+
+class _MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(3, 8, rngs=rngs)
+        self.out = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.tanh(self.hidden(x)))
+
+
+def test_works_inside_nnx_optimizer():
+    """Two replicas of a flax model, each with an nnx.Optimizer, vmapped over "replica"."""
+    R, sync_every, steps = 2, 2, 6
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(R, 16, 3)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(R, 16, 1)), jnp.float32)
+    make_tx = lambda: co2jax.local_updates(optax.adam(1e-2), co2jax.local_sgd(), sync_every)
+
+    model = _MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+    states = jax.tree.map(lambda a: jnp.stack([a] * R), state)
+
+    def loss(model, x, y):
+        return jnp.mean((model(x) - y) ** 2)
+
+    def step(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        grads = nnx.grad(loss)(model, x, y)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer))
+
+    step = jax.jit(jax.vmap(step, axis_name="replica"))
+    for _ in range(steps):
+        states = step(states, x, y)
+    nnx_params = nnx.state(nnx.merge(graphdef, states)[0], nnx.Param)
+
+    # The same run on the plain pytree of parameters.
+    params = jax.tree.map(lambda a: jnp.stack([a] * R), nnx.state(_MLP(nnx.Rngs(0)), nnx.Param))
+    tx = make_tx()
+    opt_state = jax.vmap(tx.init)(params)
+
+    def plain_step(params, opt_state, x, y):
+        def f(p):
+            return loss(nnx.merge(nnx.graphdef(_MLP(nnx.Rngs(0))), p), x, y)
+
+        updates, opt_state = tx.update(jax.grad(f)(params), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    plain_step = jax.jit(jax.vmap(plain_step, axis_name="replica"))
+    for _ in range(steps):
+        params, opt_state = plain_step(params, opt_state, x, y)
+
+    for a, b in zip(jax.tree.leaves(nnx_params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_allclose(a, b, **TOL)
+    # after the last sync (step 6) the replicas agree
+    for a in jax.tree.leaves(nnx_params):
+        np.testing.assert_allclose(a[0], a[1], **TOL)

@@ -1,0 +1,89 @@
+"""Communication is asserted, not assumed: collectives counted in the compiled HLO."""
+
+from __future__ import annotations
+
+import harness
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+import textbook as tb
+from jax.sharding import PartitionSpec as P
+from test_algorithms import CASES, IDS
+
+import co2jax
+
+H = 3
+DIM = 5  # parameters per replica in the textbook problem
+
+
+def _round_args(outer, problem, mesh, inner):
+    params = harness.initial_params(problem)
+    rep = P("replica")
+    return [
+        harness.place(x, mesh, rep)
+        for x in (params, jax.vmap(inner.init)(params), jax.vmap(outer.init)(params))
+    ] + [
+        harness.place(jnp.asarray(problem.d), mesh, rep),
+        harness.place(jnp.asarray(problem.c), mesh, P("replica", "data")),
+    ]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return harness.make_mesh(replica=4, data=2)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_one_sync_reduces_one_payload_over_the_replica_axis(case, mesh):
+    problem = tb.make_problem()
+    inner, outer = optax.sgd(0.1), case.make()
+    fn = harness.shard_round(outer, inner, mesh, H)
+    hlo = fn.lower(*_round_args(outer, problem, mesh, inner)).compile().as_text()
+    n = harness.count_replica_collectives(hlo, mesh)
+    assert 1 <= n <= 2  # one pmean per leaf; XLA may combine them into one instruction
+    assert harness.replica_reduced_elements(hlo, mesh) == DIM  # exactly one payload
+    assert harness.count_replica_collectives(hlo, mesh, op="all-gather") == 0
+
+
+def test_inner_steps_have_no_replica_collective(mesh):
+    """The inner loop alone: gradients averaged over "data", nothing over "replica"."""
+    problem = tb.make_problem()
+    inner = optax.adam(0.1)
+    identity = co2jax.OuterOptimizer(
+        init=lambda p: (),
+        sync=lambda p, s: (p, s),
+        payload=lambda p, s: (),
+        reduce=lambda x: x,
+        apply=lambda p, s, r: (p, s),
+    )
+    fn = harness.shard_round(identity, inner, mesh, H)
+    hlo = fn.lower(*_round_args(identity, problem, mesh, inner)).compile().as_text()
+    assert harness.count_replica_collectives(hlo, mesh) == 0
+    data_groups = [g for g in harness.collectives(hlo) if g and len(g[0]) == 2]
+    assert data_groups, "the data-axis gradient mean must be visible to the parser"
+
+
+def test_data_parallel_reduces_every_gradient(mesh):
+    problem = tb.make_problem()
+    opt = co2jax.data_parallel(optax.sgd(0.1))
+    params = harness.initial_params(problem)
+    rep = P("replica")
+    args = [harness.place(x, mesh, rep) for x in (params, jax.vmap(opt.init)(params))]
+    d = harness.place(jnp.asarray(problem.d), mesh, rep)
+    c = harness.place(jnp.asarray(problem.c), mesh, P("replica", "data"))
+
+    def body(params, state, d, c):
+        params, state, d, c = jax.tree.map(lambda x: x[0], (params, state, d, c))
+        p = jax.lax.pcast(params, "data", to="varying")
+        grads = jax.lax.pmean(jax.grad(harness.loss_fn)(p, d, c), "data")
+        updates, state = opt.update(grads, state, params)
+        return jax.tree.map(lambda x: x[None], (optax.apply_updates(params, updates), state))
+
+    fn = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(rep, rep, rep, P("replica", "data")), out_specs=rep
+        )
+    )
+    hlo = fn.lower(*args, d, c).compile().as_text()
+    assert harness.replica_reduced_elements(hlo, mesh) == DIM

@@ -1,0 +1,102 @@
+"""skip_nonfinite: a non-finite averaged pseudo-gradient skips the outer step everywhere."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import co2jax
+
+
+def _sync(outer):
+    return jax.jit(jax.vmap(outer.sync, axis_name="replica"))
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+def test_local_sgd_skip_keeps_anchor_and_counts(bad):
+    outer = co2jax.skip_nonfinite(co2jax.local_sgd())
+    state = jax.vmap(outer.init)(jnp.zeros((2, 3)))
+    sync = _sync(outer)
+    params, state = sync(jnp.array([[1.0, 1, 1], [bad, 3, 3]]), state)
+    np.testing.assert_array_equal(params, jnp.zeros((2, 3)))
+    np.testing.assert_array_equal(state.num_skipped, [1, 1])
+    params, state = sync(params + jnp.array([[1.0], [3.0]]), state)  # a healthy round
+    np.testing.assert_allclose(params, jnp.full((2, 3), 2.0))
+    np.testing.assert_array_equal(state.num_skipped, [1, 1])
+
+
+def test_diloco_skip_keeps_outer_state():
+    outer = co2jax.skip_nonfinite(co2jax.diloco(optax.sgd(0.7, momentum=0.9, nesterov=True)))
+    state = jax.vmap(outer.init)(jnp.zeros((2, 1)))
+    sync = _sync(outer)
+    params, state = sync(jnp.array([[1.0], [3.0]]), state)
+    before = state
+    params, state = sync(jnp.array([[jnp.nan], [3.0]]), state)
+    np.testing.assert_array_equal(params, before.inner_state.anchor)
+    leaves = zip(
+        jax.tree.leaves(state.inner_state), jax.tree.leaves(before.inner_state), strict=True
+    )
+    for a, b in leaves:
+        np.testing.assert_array_equal(a, b)
+
+
+def test_unwrapped_diloco_would_be_poisoned():
+    """The guard matters: without it the NaN reaches every replica's anchor."""
+    outer = co2jax.diloco(optax.sgd(0.7))
+    state = jax.vmap(outer.init)(jnp.zeros((2, 1)))
+    params, _ = _sync(outer)(jnp.array([[jnp.nan], [3.0]]), state)
+    assert np.isnan(np.asarray(params)).all()
+
+
+def test_co2_skips_the_round_its_stale_average_arrives_then_recovers():
+    wrapped = co2jax.skip_nonfinite(co2jax.co2(1.0, 0.5))
+    plain = co2jax.co2(1.0, 0.5)
+    ws, ps = (jax.vmap(o.init)(jnp.zeros((2, 1))) for o in (wrapped, plain))
+    wsync, psync = _sync(wrapped), _sync(plain)
+    offsets = jnp.array([[1.0], [3.0]])
+    wp, ws = wsync(offsets, ws)
+    pp, ps = psync(offsets, ps)
+    np.testing.assert_array_equal(wp, pp)  # finite rounds: identical to the plain algorithm
+    # round 1: replica 0 diverges; its pseudo-gradient is only averaged at the next sync
+    wp, ws = wsync(jnp.array([[jnp.nan], [3.0]]), ws)
+    assert np.isfinite(np.asarray(wp)).all()
+    np.testing.assert_array_equal(ws.num_skipped, [0, 0])
+    anchor = ws.inner_state.anchor
+    momentum = ws.inner_state.outer_state.momentum
+    # round 2: the NaN average arrives -> skipped on every replica, state kept
+    wp, ws = wsync(wp + offsets, ws)
+    np.testing.assert_array_equal(ws.num_skipped, [1, 1])
+    np.testing.assert_array_equal(wp, anchor)
+    np.testing.assert_array_equal(ws.inner_state.outer_state.momentum, momentum)
+    # round 3: healthy again (the pending pseudo-gradient came from the restarted replicas)
+    wp, ws = wsync(wp + offsets, ws)
+    np.testing.assert_array_equal(ws.num_skipped, [1, 1])
+    assert np.isfinite(np.asarray(wp)).all()
+    assert not np.array_equal(np.asarray(wp), np.asarray(anchor))
+
+
+def test_eager_replica_local_nan_never_reaches_an_anchor():
+    outer = co2jax.skip_nonfinite(co2jax.eager_diloco(optax.sgd(0.7)))
+    state = jax.vmap(outer.init)(jnp.zeros((2, 1)))
+    sync = _sync(outer)
+    params, state = sync(jnp.array([[jnp.nan], [3.0]]), state)
+    assert np.isfinite(np.asarray(params)).all()
+    np.testing.assert_array_equal(state.num_skipped, [1, 0])  # replica-local decision
+    params, state = sync(params + 1.0, state)  # the NaN average arrives: everyone skips
+    assert np.isfinite(np.asarray(params)).all()
+    np.testing.assert_array_equal(state.num_skipped, [2, 1])
+
+
+def test_requires_an_anchor():
+    bare = co2jax.OuterOptimizer(
+        init=lambda p: (),
+        sync=lambda p, s: (p, s),
+        payload=lambda p, s: p,
+        reduce=lambda x: x,
+        apply=lambda p, s, r: (p, s),
+    )
+    with pytest.raises(TypeError, match="anchor"):
+        co2jax.skip_nonfinite(bare).init(jnp.zeros(2))
