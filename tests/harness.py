@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +9,8 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from textbook import Problem
+
+from co2jax import hlo as co2jax_hlo
 
 # One tolerance table for the whole suite (STYLE.md): float32 1e-6-ish, bf16 1e-2.
 TOL = {
@@ -155,65 +155,17 @@ def run_shard_map(outer, problem, lr, H, rounds, mesh, dtype=jnp.float32):
 
 
 # ---------------------------------------------------------------------------------------------
-# HLO inspection
-
-
-def _groups(attr: str) -> list[tuple[int, ...]]:
-    """Parses an HLO replica_groups attribute, explicit ({{0,2},{1,3}}) or iota ([2,2]<=[4])."""
-    attr = attr.strip()
-    if attr.startswith("{"):
-        return [tuple(int(v) for v in g.split(",") if v) for g in re.findall(r"\{([\d,]*)\}", attr)]
-    m = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attr)
-    shape = [int(v) for v in m.group(1).split(",")]
-    dims = [int(v) for v in m.group(2).split(",")]
-    ids = np.arange(int(np.prod(dims))).reshape(dims)
-    if m.group(3):
-        ids = ids.transpose([int(v) for v in m.group(3).split(",")])
-    return [tuple(int(v) for v in row) for row in ids.reshape(shape)]
-
-
-def collectives(hlo: str, op: str = "all-reduce") -> list[list[tuple[int, ...]]]:
-    """The replica groups of every ``op`` instruction (start ops for async forms) in ``hlo``."""
-    out = []
-    pattern = re.compile(rf"^\s*(ROOT )?%\S+ = .*? {op}(-start)?\(")
-    for line in hlo.splitlines():
-        if pattern.search(line):
-            m = re.search(
-                r"replica_groups=(\{\{[\d,{}]*\}\}|\[[\d,]+\]<=\[[\d,]+\](T\([\d,]+\))?|\{\})", line
-            )
-            out.append(_groups(m.group(1)) if m and m.group(1) != "{}" else [])
-    return out
-
-
-def replica_axis_groups(mesh) -> set[tuple[int, ...]]:
-    """Device-id groups that span the "replica" axis (one group per data index)."""
-    ids = np.vectorize(lambda d: d.id)(mesh.devices)
-    axis = mesh.axis_names.index("replica")
-    moved = np.moveaxis(ids, axis, -1).reshape(-1, ids.shape[axis])
-    return {tuple(sorted(int(v) for v in row)) for row in moved}
+# HLO inspection, through co2jax.hlo
 
 
 def count_replica_collectives(hlo: str, mesh, op: str = "all-reduce") -> int:
-    """How many ``op`` instructions in ``hlo`` reduce over the replica axis."""
-    want = replica_axis_groups(mesh)
-    n = 0
-    for groups in collectives(hlo, op):
-        if {tuple(sorted(g)) for g in groups} == want:
-            n += 1
-    return n
+    """How many ``op`` instructions in ``hlo`` run over the replica axis."""
+    return sum(
+        c.op == op for c in co2jax_hlo.over_axis(co2jax_hlo.collectives(hlo), mesh, "replica")
+    )
 
 
 def replica_reduced_elements(hlo: str, mesh, op: str = "all-reduce") -> int:
     """Total number of elements that ``op`` instructions reduce over the replica axis."""
-    want = replica_axis_groups(mesh)
-    pattern = re.compile(rf"^\s*(?:ROOT )?%\S+ = (.*?) {op}(?:-start)?\(")
-    total = 0
-    for line, groups in zip(
-        [ln for ln in hlo.splitlines() if pattern.search(ln)], collectives(hlo, op), strict=True
-    ):
-        if {tuple(sorted(g)) for g in groups} != want:
-            continue
-        shape_text = pattern.search(line).group(1)
-        for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", shape_text):
-            total += int(np.prod([int(v) for v in dims.split(",") if v] or [1]))
-    return total
+    found = co2jax_hlo.over_axis(co2jax_hlo.collectives(hlo), mesh, "replica")
+    return sum(c.elements for c in found if c.op == op)

@@ -86,6 +86,26 @@ CASES = [
         lambda p: tb.co2_paper(p, LR, H, ROUNDS, alpha=1.0, beta=0.3, penalty=lambda a, b: 0.5),
     ),
     Case(
+        # sign-sensitive in previous_anchor - anchor: pins which anchor is "previous"
+        "co2_directional_penalty",
+        lambda: co2jax.co2(
+            1.0,
+            0.5,
+            penalty=lambda anchor, prev, delta: jax.tree.map(
+                lambda a, b: 1.0 + 0.5 * jnp.tanh(10.0 * (b - a)), anchor, prev
+            ),
+        ),
+        lambda p: tb.co2_paper(
+            p,
+            LR,
+            H,
+            ROUNDS,
+            alpha=1.0,
+            beta=0.5,
+            penalty=lambda a, b: 1.0 + 0.5 * np.tanh(10.0 * (b - a)),
+        ),
+    ),
+    Case(
         "co2_reference_code",
         lambda: co2jax.co2(1.0, 0.5, penalty=penalties.constant(2.0), mode="reference_code"),
         lambda p: tb.co2_reference_code(p, LR, H, ROUNDS, alpha=1.0, beta=0.5, lam=2.0),
