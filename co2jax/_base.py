@@ -58,6 +58,9 @@ class OuterOptimizer(NamedTuple):
         update from the reduced payload.
       staleness: 0 when the payload is computed from the current parameters; k >= 1 when it
         was computed k rounds earlier and depends on ``state`` only.
+      replica_local: True when the anchor and outer state differ between replicas (eager
+        updates), so a driver must keep them replica-varying; False when they are
+        replica-invariant and may be stored once per replica group.
     """
 
     init: Callable[[Params], State]
@@ -66,6 +69,7 @@ class OuterOptimizer(NamedTuple):
     reduce: Reducer
     apply: Callable[[Params, State, Payload], tuple[Params, State]]
     staleness: int = 0
+    replica_local: bool = False
 
 
 def make_outer_optimizer(
@@ -74,13 +78,14 @@ def make_outer_optimizer(
     apply: Callable[[Params, State, Payload], tuple[Params, State]],
     reduce: Reducer,
     staleness: int = 0,
+    replica_local: bool = False,
 ) -> OuterOptimizer:
     """Builds an :class:`OuterOptimizer` whose ``sync`` is ``apply . reduce . payload``."""
 
     def sync(params: Params, state: State) -> tuple[Params, State]:
         return apply(params, state, reduce(payload(params, state)))
 
-    return OuterOptimizer(init, sync, payload, reduce, apply, staleness)
+    return OuterOptimizer(init, sync, payload, reduce, apply, staleness, replica_local)
 
 
 def check_axis(axis_name: str) -> int:

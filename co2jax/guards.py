@@ -21,8 +21,7 @@ class SkipNonfiniteState(NamedTuple):
 
     Attributes:
       inner_state: the wrapped outer optimizer's state.
-      num_skipped: 0-d int32, how many syncs were skipped (replica-invariant, except under
-        eager updates, whose outer step is replica-local).
+      num_skipped: 0-d int32, how many syncs were skipped (replica-invariant).
     """
 
     inner_state: Any
@@ -35,12 +34,20 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
     At a sync whose reduced payload (the averaged pseudo-gradient about to be applied) or
     resulting anchor is not finite everywhere, the anchor and the outer optimizer's state stay
     as they were, every replica restarts from that unchanged anchor, and ``num_skipped``
-    counts it. The reduced payload is identical on every replica, so every replica takes the
-    same decision. Delayed algorithms still advance their in-flight pseudo-gradients: the
-    one produced this round is sent as usual (if it is the non-finite one, the next sync is
-    skipped in turn, and the replicas, restarted from a finite anchor, recover).
+    counts it. The reduced payload and the anchor are identical on every replica, so every
+    replica takes the same decision. Delayed algorithms still advance their in-flight
+    pseudo-gradients: the one produced this round is sent as usual (if it is the non-finite
+    one, the next sync is skipped in turn, and the replicas, restarted from a finite anchor,
+    recover).
 
-    The wrapped state must have an ``anchor`` field (every algorithm in co2jax has one).
+    The wrapped state must have an ``anchor`` field (every algorithm in co2jax has one), and
+    the anchor must be replica-invariant: eager updates (``outer.replica_local``) are refused,
+    because a skip taken by some replicas and not others would leave their replica-local
+    anchors apart for good (their eager terms no longer telescope).
+
+    After a skip, :func:`co2jax.co2`'s penalty sees ``theta^(t) + alpha*m`` as the previous
+    anchor, i.e. the anchor before the last *applied* step, although the stale pseudo-gradients
+    were computed from the unchanged anchor.
 
     Example:
       >>> import jax, jax.numpy as jnp, co2jax
@@ -52,6 +59,12 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
       (Array([[0.],
              [0.]], dtype=float32), Array([1, 1], dtype=int32))
     """
+
+    if outer.replica_local:
+        raise ValueError(
+            "skip_nonfinite needs a replica-invariant anchor; got an outer optimizer with "
+            "replica_local=True (eager updates keep replica-local anchors)"
+        )
 
     def init(params: Params) -> SkipNonfiniteState:
         inner = outer.init(params)
@@ -69,8 +82,11 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
         new_params, new_inner = outer.apply(params, state.inner_state, reduced)
         ok = tree_all_finite(reduced) & tree_all_finite(new_params)
         kept = state.inner_state
-        if hasattr(kept, "pending"):
-            kept = kept._replace(pending=new_inner.pending)
+        # in-flight bookkeeping advances even on a skip: this round's pseudo-gradient is sent
+        # as usual and the sync count keeps counting syncs
+        for field in ("pending", "count"):
+            if hasattr(kept, field):
+                kept = kept._replace(**{field: getattr(new_inner, field)})
         inner = tree_select(ok, new_inner, kept)
         params_out = tree_select(ok, new_params, state.inner_state.anchor)
         skipped = state.num_skipped + jnp.logical_not(ok).astype(jnp.int32)

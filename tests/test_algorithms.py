@@ -59,6 +59,11 @@ CASES = [
         lambda p: tb.eager_nesterov(p, LR, H, ROUNDS, **NESTEROV),
     ),
     Case(
+        "eager_diloco_2",
+        lambda: co2jax.eager_diloco(_nesterov(), delay=2),
+        lambda p: tb.eager_nesterov(p, LR, H, ROUNDS, **NESTEROV, delay=2),
+    ),
+    Case(
         "slowmo",
         lambda: co2jax.slowmo(_gamma, slow_learning_rate=0.9, slow_momentum=0.6),
         lambda p: tb.slowmo(p, LR, H, ROUNDS, _gamma, alpha=0.9, beta=0.6),

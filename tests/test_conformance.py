@@ -25,7 +25,9 @@ ALGORITHMS = {
     "co2_gap_aware": lambda: co2jax.co2(1.0, 0.2, penalty=penalties.gap_aware()),
     "co2_reference_code": lambda: co2jax.co2(1.0, 0.5, mode="reference_code"),
     "skip_nonfinite(co2)": lambda: co2jax.skip_nonfinite(co2jax.co2(1.0, 0.2)),
-    "skip_nonfinite(eager)": lambda: co2jax.skip_nonfinite(co2jax.eager_diloco(optax.sgd(0.7))),
+    "skip_nonfinite(delayed_diloco)": lambda: co2jax.skip_nonfinite(
+        co2jax.delayed_diloco(optax.sgd(0.5, momentum=0.5, nesterov=True))
+    ),
 }
 NAMES = list(ALGORITHMS)
 

@@ -106,3 +106,26 @@ def test_anchor_moves_toward_replicas(case):
         params, state = sync(params + offsets, state)
     moved = np.asarray(params).mean(axis=0)
     assert float(moved @ np.asarray(offsets.mean(axis=0))) > 0, case.name
+
+
+def test_delayed_outer_optimizer_is_not_stepped_before_the_first_average():
+    """With delay d, the first d syncs leave the anchor and the outer state untouched.
+
+    Stepping Adam on a zero "gradient" would still advance its count (bias correction), and
+    AdamW's decoupled weight decay would move the anchor.
+    """
+    outer = co2jax.delayed_diloco(optax.adamw(0.1, weight_decay=0.5), delay=2)
+    start = jnp.ones((2, 3))
+    state = jax.vmap(outer.init)(start)
+    init_state = state
+    sync = jax.jit(jax.vmap(outer.sync, axis_name="replica"))
+    for _ in range(2):
+        params, state = sync(start + jnp.array([[1.0], [3.0]]), state)
+        np.testing.assert_array_equal(params, start)
+        for a, b in zip(
+            jax.tree.leaves(state.outer_state), jax.tree.leaves(init_state.outer_state), strict=True
+        ):
+            np.testing.assert_array_equal(a, b)
+    params, state = sync(start + jnp.array([[1.0], [3.0]]), state)
+    assert not np.array_equal(np.asarray(params), np.asarray(start))  # the first average arrived
+    np.testing.assert_array_equal(state.count, [3, 3])

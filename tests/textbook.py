@@ -67,32 +67,39 @@ def local_sgd(problem: Problem, lr: float, H: int, rounds: int) -> np.ndarray:
 
 
 def diloco_nesterov(problem, lr, H, rounds, eta, mu, delay=0):
-    """b <- mu*b + g; theta <- theta - eta*(g + mu*b), g = Delta-bar^(t - delay) (0 before)."""
+    """b <- mu*b + g; theta <- theta - eta*(g + mu*b), g = Delta-bar^(t - delay).
+
+    No outer step while t < delay: no average has arrived yet.
+    """
     anchor, b, history, out = problem.theta0.copy(), 0.0, [], []
     for t in range(rounds):
         history.append(_avg_pseudo_gradient(problem, anchor, lr, H))
-        g = history[t - delay] if t - delay >= 0 else np.zeros_like(anchor)
-        b = mu * b + g
-        anchor = anchor - eta * (g + mu * b)
+        if t >= delay:
+            g = history[t - delay]
+            b = mu * b + g
+            anchor = anchor - eta * (g + mu * b)
         _record(out, anchor, problem.replicas)
     return np.array(out)
 
 
-def eager_nesterov(problem, lr, H, rounds, eta, mu):
-    """Delta-hat_r^(t) = Delta-bar^(t-1) + (Delta_r^(t) - Delta_r^(t-1)) / R, replica-local."""
-    R = problem.replicas
+def eager_nesterov(problem, lr, H, rounds, eta, mu, delay=1):
+    """Delta-hat_r^(t) = Delta-bar^(t-d) + (Delta_r^(t) - Delta_r^(t-d)) / R, replica-local.
+
+    Delta^(s) = 0 for s < 0; each replica keeps its own anchor and Nesterov buffer.
+    """
+    R, zero = problem.replicas, np.zeros_like(problem.theta0)
     anchors = [problem.theta0.copy() for _ in range(R)]
-    b = [np.zeros_like(problem.theta0) for _ in range(R)]
-    prev = [np.zeros_like(problem.theta0) for _ in range(R)]
-    prev_avg = np.zeros_like(problem.theta0)
-    out = []
-    for _ in range(rounds):
-        deltas = [anchors[r] - inner_sgd(problem, r, anchors[r], lr, H) for r in range(R)]
+    b = [zero.copy() for _ in range(R)]
+    own, averages, out = [], [], []  # own[t][r] = Delta_r^(t); averages[t] = Delta-bar^(t)
+    for t in range(rounds):
+        own.append([anchors[r] - inner_sgd(problem, r, anchors[r], lr, H) for r in range(R)])
+        averages.append(np.mean(own[t], axis=0))
         for r in range(R):
-            g = prev_avg + (deltas[r] - prev[r]) / R
+            old = own[t - delay][r] if t >= delay else zero
+            stale = averages[t - delay] if t >= delay else zero
+            g = stale + (own[t][r] - old) / R
             b[r] = mu * b[r] + g
             anchors[r] = anchors[r] - eta * (g + mu * b[r])
-        prev, prev_avg = deltas, np.mean(deltas, axis=0)
         _record(out, list(anchors), R)
     return np.array(out)
 
@@ -126,16 +133,23 @@ def gap_aware_penalty(decay, eps=1e-12):
 
 
 def co2_paper(problem, lr, H, rounds, alpha, beta, phi=None, penalty=None):
-    """m = clip(beta*m + Lambda*Delta-bar^(t-1), -phi, phi); theta -= alpha*m; Delta-bar^(-1)=0."""
+    """m = clip(beta*m + Lambda*Delta-bar^(t-1), -phi, phi); theta -= alpha*m.
+
+    Delta-bar^(-1) = 0 makes the first outer step a no-op (m stays 0), so round 0 takes none:
+    stateful penalties start at the first real average.
+    """
     anchor, previous, m = problem.theta0.copy(), problem.theta0.copy(), 0.0
-    stale, out = np.zeros_like(anchor), []
+    stale, out = None, []
     for _ in range(rounds):
         fresh = _avg_pseudo_gradient(problem, anchor, lr, H)
-        lam = 1.0 if penalty is None else penalty(anchor, previous)
-        m = beta * m + lam * stale
-        if phi is not None:
-            m = np.clip(m, -phi, phi)
-        previous, anchor, stale = anchor, anchor - alpha * m, fresh
+        new = anchor
+        if stale is not None:
+            lam = 1.0 if penalty is None else penalty(anchor, previous)
+            m = beta * m + lam * stale
+            if phi is not None:
+                m = np.clip(m, -phi, phi)
+            new = anchor - alpha * m
+        previous, anchor, stale = anchor, new, fresh
         _record(out, anchor, problem.replicas)
     return np.array(out)
 

@@ -5,12 +5,17 @@ particular outer transform, delay and mixing rule. Per replica r and round t, wi
 ``theta^(t)`` and local parameters ``theta_r^(t,H)`` after the round's inner steps:
 
     Delta_r^(t)   = theta^(t) - theta_r^(t,H)                 (pseudo-gradient)
-    g^(t)         = mean_r Delta_r^(t - d)                    (d = delay; zero while t - d < 0)
+    g^(t)         = mean_r Delta_r^(t - d)                    (d = delay)
     eager only:   g_r^(t) = g^(t) + (Delta_r^(t) - Delta_r^(t - d)) / R
     theta^(t+1)   = theta^(t) + OuterOpt.update(g^(t), outer_state, theta^(t))
 
-and every replica restarts round t+1 from ``theta^(t+1)``. Because the mean is linear, reducing
-``Delta_r`` rather than parameters is the same average and needs no copy of the old anchor.
+and every replica restarts round t+1 from ``theta^(t+1)``. While t < d no average has arrived
+yet: the (non-eager) outer step is skipped outright, so the outer optimizer is stepped only on
+real averages (a zero "gradient" would still advance Adam's count or apply weight decay).
+Eager updates take a step from round 0, with ``Delta^(s) = 0`` for s < 0.
+
+Because the mean is linear, reducing ``Delta_r`` rather than parameters is the same average
+and needs no copy of the old anchor.
 
 With d >= 1 the payload reduced at round t was produced at round t - d and is kept in
 ``pending``: it depends on the state only (``staleness = d``), so an engine can issue its
@@ -22,6 +27,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from co2jax._base import (
@@ -35,6 +41,7 @@ from co2jax._base import (
     check_transform,
     make_outer_optimizer,
     replica_mean,
+    tree_select,
     tree_sub,
 )
 
@@ -50,11 +57,13 @@ class PseudoGradientState(NamedTuple):
         Replica-invariant (replica-varying for eager updates).
       pending: the replica's own pseudo-gradients of the last ``delay`` rounds, oldest first,
         not yet applied. Replica-varying. Empty when ``delay == 0``.
+      count: 0-d int32, the number of syncs so far. Replica-invariant.
     """
 
     anchor: Params
     outer_state: optax.OptState
     pending: tuple[Params, ...]
+    count: jax.Array
 
 
 def pseudo_gradient_method(
@@ -91,8 +100,9 @@ def pseudo_gradient_method(
     reduce = replica_mean(axis_name) if reduce is None else reduce
 
     def init(params: Params) -> PseudoGradientState:
-        pending = tuple(jax.tree.map(jax.numpy.zeros_like, params) for _ in range(delay))
-        return PseudoGradientState(params, outer_optimizer.init(params), pending)
+        pending = tuple(jax.tree.map(jnp.zeros_like, params) for _ in range(delay))
+        count = jnp.zeros([], jnp.int32)
+        return PseudoGradientState(params, outer_optimizer.init(params), pending, count)
 
     def payload(params: Params, state: PseudoGradientState) -> Params:
         return state.pending[0] if delay else tree_sub(state.anchor, params)
@@ -113,6 +123,11 @@ def pseudo_gradient_method(
                 )
         updates, outer_state = outer_optimizer.update(direction, state.outer_state, state.anchor)
         anchor = optax.apply_updates(state.anchor, updates)
-        return anchor, PseudoGradientState(anchor, outer_state, pending)
+        if delay and not eager:  # nothing has arrived during the first `delay` syncs
+            arrived = state.count >= delay
+            anchor = tree_select(arrived, anchor, state.anchor)
+            outer_state = tree_select(arrived, outer_state, state.outer_state)
+        new_state = PseudoGradientState(anchor, outer_state, pending, state.count + 1)
+        return anchor, new_state
 
-    return make_outer_optimizer(init, payload, apply, reduce, staleness=delay)
+    return make_outer_optimizer(init, payload, apply, reduce, staleness=delay, replica_local=eager)
