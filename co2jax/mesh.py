@@ -1,0 +1,108 @@
+"""Device meshes with co2jax's named axes: replica (slow, outer), data and model (fast, inner).
+
+Outer optimizers communicate over ``REPLICA`` only; the inner steps of one replica use
+``DATA`` (gradient averaging, sharded outer state) and ``MODEL``. On multi-slice TPU the
+replica axis spans slices, so the slow cross-slice network (DCN) carries only the outer
+reduction; elsewhere the mesh is a plain device grid.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from co2jax._base import REPLICA_AXIS
+
+REPLICA = REPLICA_AXIS
+DATA = "data"
+MODEL = "model"
+AXES = (REPLICA, DATA, MODEL)
+
+
+def resolve_sizes(sizes: dict[str, int], device_count: int) -> dict[str, int]:
+    """Fills the one size given as -1 so that the sizes multiply to ``device_count``.
+
+    Example:
+      >>> resolve_sizes({"replica": 2, "data": -1, "model": 1}, 8)
+      {'replica': 2, 'data': 4, 'model': 1}
+    """
+    fill = [name for name, size in sizes.items() if size == -1]
+    if len(fill) > 1:
+        raise ValueError(f"at most one mesh size may be -1 (fill), got {sizes}")
+    for name, size in sizes.items():
+        if size != -1 and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"mesh size {name} must be an integer >= 1 or -1, got {name}={size!r}")
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if fill:
+        if device_count % known:
+            raise ValueError(
+                f"mesh sizes {sizes}: the fixed sizes multiply to {known}, which does not divide "
+                f"the {device_count} devices"
+            )
+        sizes = {**sizes, fill[0]: device_count // known}
+    elif known != device_count:
+        raise ValueError(
+            f"mesh sizes {sizes} multiply to {known}, but there are {device_count} devices; "
+            "give one size as -1 to fill, or pass devices="
+        )
+    return sizes
+
+
+def _num_slices(devices: Sequence) -> int:
+    return len({getattr(d, "slice_index", 0) for d in devices})
+
+
+def make_mesh(
+    replica: int = 1,
+    data: int = -1,
+    model: int = 1,
+    *,
+    devices: Sequence | None = None,
+    axis_type: AxisType = AxisType.Explicit,
+) -> Mesh:
+    """A ``(replica, data, model)`` mesh over ``devices`` (default: all devices).
+
+    One size may be -1: it fills the devices left over. On TPU with several slices, the replica
+    axis must be a multiple of the slice count and is laid across slices (a hybrid ICI/DCN
+    mesh); otherwise devices are laid out by ``mesh_utils.create_device_mesh`` (topology-aware
+    on TPU and GPU).
+
+    Args:
+      replica: replicas (the slow outer axis).
+      data: data-parallel devices inside one replica.
+      model: model-parallel devices inside one replica.
+      devices: the devices to use.
+      axis_type: ``AxisType.Explicit`` (default) or ``AxisType.Auto`` for every axis.
+
+    Example:
+      >>> import jax
+      >>> mesh = make_mesh(replica=1, data=-1, devices=jax.devices()[:1])
+      >>> dict(mesh.shape)
+      {'replica': 1, 'data': 1, 'model': 1}
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("make_mesh needs at least one device, got devices=[]")
+    sizes = resolve_sizes({REPLICA: replica, DATA: data, MODEL: model}, len(devices))
+    shape = tuple(sizes[a] for a in AXES)
+    slices = _num_slices(devices)
+    if devices[0].platform == "tpu" and slices > 1:
+        if sizes[REPLICA] % slices:
+            raise ValueError(
+                f"on {slices} TPU slices the replica axis must be a multiple of the slice count, "
+                f"got replica={sizes[REPLICA]}"
+            )
+        per_slice = sizes[REPLICA] // slices
+        grid = mesh_utils.create_hybrid_device_mesh(
+            (per_slice, sizes[DATA], sizes[MODEL]), (slices, 1, 1), devices
+        )
+    elif devices[0].platform in ("tpu", "gpu", "cuda", "rocm"):
+        grid = mesh_utils.create_device_mesh(shape, devices)
+    else:
+        grid = np.array(devices, dtype=object).reshape(shape)
+    return Mesh(grid, AXES, axis_types=(axis_type,) * len(AXES))
