@@ -6,7 +6,7 @@ axis_name="replica")`` and under ``jax.shard_map`` on a device mesh. :func:`loca
 turns one into an optax transform for ordinary per-step training loops.
 """
 
-from co2jax import penalties
+from co2jax import hlo, penalties, reducers
 from co2jax._base import REPLICA_AXIS, OuterOptimizer, Reducer, replica_mean
 from co2jax.adapter import LocalUpdatesState, local_updates
 from co2jax.algorithms import (
@@ -22,28 +22,39 @@ from co2jax.algorithms import (
     pseudo_gradient_method,
     slowmo,
 )
+from co2jax.engine import RoundMetrics, RoundTrainer, TrainState
 from co2jax.guards import SkipNonfiniteState, skip_nonfinite
+from co2jax.mesh import DATA, MODEL, REPLICA, make_mesh
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DATA",
+    "MODEL",
+    "REPLICA",
     "REPLICA_AXIS",
     "CO2MomentumState",
     "LocalUpdatesState",
     "OuterOptimizer",
     "PseudoGradientState",
     "Reducer",
+    "RoundMetrics",
+    "RoundTrainer",
     "SkipNonfiniteState",
     "SlowMomentumState",
+    "TrainState",
     "co2",
     "data_parallel",
     "delayed_diloco",
     "diloco",
     "eager_diloco",
+    "hlo",
     "local_sgd",
     "local_updates",
+    "make_mesh",
     "penalties",
     "pseudo_gradient_method",
+    "reducers",
     "replica_mean",
     "skip_nonfinite",
     "slowmo",

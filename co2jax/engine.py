@@ -1,0 +1,370 @@
+"""The round engine: H inner steps and the sync of every replica as one compiled program.
+
+One call of :meth:`RoundTrainer.round` runs, on every device of a ``(replica, data, model)``
+mesh (``jax.shard_map``):
+
+1. for a delayed algorithm (``outer.staleness >= 1``), the reduction over ``replica`` of the
+   payload produced in an earlier round, issued *before* the inner loop and consumed only after
+   it: no data dependence either way, so the compiler may run it concurrently with the loop;
+2. H inner steps as one ``lax.scan`` (never unrolled): gradients averaged over ``data``
+   inside the replica, nothing over ``replica``;
+3. for a synchronous algorithm, the reduction of this round's payload;
+4. the outer update, then every replica restarts from what it returned.
+
+Per-replica state carries an explicit leading replica axis sharded over ``replica``
+(parameters that entered replica-invariant would silently become data-parallel). With
+``shard_outer_state=True`` the outer state (anchor, momentum, in-flight pseudo-gradients) is
+also sharded over ``data`` inside each replica (ZeRO-1 style): each device holds, reduces and
+updates 1/D of it, and the new parameters are all-gathered over ``data``. This needs an
+element-wise outer optimizer (every co2jax algorithm is).
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax, co2jax
+  >>> mesh = co2jax.make_mesh(replica=1, data=1, devices=jax.devices()[:1])
+  >>> loss = lambda p, b: jnp.mean((b["x"] * p["w"] - b["y"]) ** 2)
+  >>> trainer = co2jax.RoundTrainer(loss, optax.sgd(0.1), co2jax.local_sgd(), mesh, sync_every=4)
+  >>> state = trainer.init({"w": jnp.zeros(())})
+  >>> batch = {"x": jnp.ones((1, 4, 8)), "y": 2 * jnp.ones((1, 4, 8))}  # [R, H, B]
+  >>> state, metrics = trainer.round(state, batch)
+  >>> metrics.loss.shape, round(float(state.params["w"][0]), 4)
+  ((1, 4), 1.1808)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from co2jax import reducers as _reducers
+from co2jax._base import OuterOptimizer, check_int, check_transform
+from co2jax.mesh import DATA, REPLICA
+
+REDUCER_CHOICES = ("auto", "outer", *_reducers.KINDS)
+
+
+class TrainState(NamedTuple):
+    """Per-replica training state; every leaf has a leading replica axis of size R.
+
+    Attributes:
+      params: each replica's parameters (replica-varying).
+      inner_state: each replica's inner optimizer state (replica-varying, never reset).
+      outer_state: the outer optimizer's state. Its replica-invariant fields hold R equal
+        copies along the leading axis, one per replica group, which is where they live anyway.
+      round: [R] int32, rounds completed.
+    """
+
+    params: optax.Params
+    inner_state: optax.OptState
+    outer_state: Any
+    round: jax.Array
+
+
+class RoundMetrics(NamedTuple):
+    """What one round reports (leading axis: replica).
+
+    Attributes:
+      loss: [R, H] the loss of every inner step (mean over the replica's data shards).
+      pseudo_gradient_norm: [R] L2 norm of the payload this replica put on the wire.
+      bytes_communicated: [R] bytes this replica sent over the replica axis this round
+        (ring model of the chosen reducer; see :func:`co2jax.reducers.wire_bytes`).
+    """
+
+    loss: jax.Array
+    pseudo_gradient_norm: jax.Array
+    bytes_communicated: jax.Array
+
+
+def _shard_dim(shape: tuple[int, ...], parts: int) -> int | None:
+    """The dim a leaf is sharded on over ``data``: the largest one ``parts`` divides."""
+    if parts <= 1:
+        return None
+    dims = [d for d in range(len(shape)) if shape[d] % parts == 0 and shape[d] >= parts]
+    return max(dims, key=lambda d: (shape[d], -d)) if dims else None
+
+
+def auto_reducer(platform: str, replicas: int, staleness: int) -> str:
+    """The reducer the engine picks: one the target compiler overlaps with the inner loop.
+
+    A synchronous sync cannot overlap anything, so it uses the all-reduce. A delayed one uses,
+    on TPU, the all-gather (R <= 4, one asynchronous collective) or the ppermute ring (larger
+    R, all-reduce traffic); elsewhere the all-reduce (asynchronous by default on GPU; XLA:CPU
+    runs every collective synchronously). See ``docs/overlap.md``.
+    """
+    if staleness == 0 or platform != "tpu":
+        return "pmean"
+    return "all_gather" if replicas <= 4 else "ring"
+
+
+class RoundTrainer:
+    """Builds and runs the round program of an outer-optimizer algorithm on a mesh.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar`` for one inner step on one device's slice
+        of the batch.
+      inner: the inner optax transform.
+      outer: an :class:`~co2jax.OuterOptimizer`.
+      mesh: a mesh with ``"replica"`` and ``"data"`` axes (see :func:`co2jax.make_mesh`).
+      sync_every: H, inner steps per round.
+      reducer: ``"auto"`` (see :func:`auto_reducer`), ``"outer"`` (the algorithm's own
+        ``reduce``), or one of ``co2jax.reducers.KINDS``.
+      shard_outer_state: shard the outer state over ``data`` inside each replica.
+      donate: donate the input state's buffers to the round's output.
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[[optax.Params, Any], jax.Array],
+        inner: optax.GradientTransformation,
+        outer: OuterOptimizer,
+        mesh: jax.sharding.Mesh,
+        sync_every: int,
+        *,
+        reducer: str = "auto",
+        shard_outer_state: bool = False,
+        donate: bool = True,
+    ):
+        if not callable(loss_fn):
+            raise ValueError(f"loss_fn must be callable, got loss_fn={loss_fn!r}")
+        self.inner = optax.with_extra_args_support(check_transform("inner", inner))
+        if not isinstance(outer, OuterOptimizer):
+            raise ValueError(f"outer must be a co2jax.OuterOptimizer, got outer={outer!r}")
+        missing = {REPLICA, DATA} - set(mesh.axis_names)
+        if missing:
+            raise ValueError(
+                f"mesh must have axes {REPLICA!r} and {DATA!r}, got mesh.axis_names="
+                f"{mesh.axis_names!r}"
+            )
+        self.sync_every = check_int("sync_every", sync_every, 1)
+        if reducer not in REDUCER_CHOICES:
+            raise ValueError(f"reducer must be one of {REDUCER_CHOICES}, got reducer={reducer!r}")
+        self.loss_fn, self.outer, self.mesh = loss_fn, outer, mesh
+        self.replicas, self.data = mesh.shape[REPLICA], mesh.shape[DATA]
+        platform = mesh.devices.flat[0].platform
+        if reducer == "auto":
+            reducer = auto_reducer(platform, self.replicas, outer.staleness)
+        self.reducer_kind = reducer
+        self.reduce = outer.reduce if reducer == "outer" else _reducers.make(reducer, REPLICA)
+        self.shard_outer_state = bool(shard_outer_state)
+        self._donate = donate
+        self._compiled: dict = {}
+
+    # ------------------------------------------------------------------------------------
+    # shardings
+
+    def _outer_dim(self, shape) -> int | None:
+        return _shard_dim(tuple(shape), self.data) if self.shard_outer_state else None
+
+    def _outer_spec(self, leaf) -> P:
+        # full-length specs, so that the shardings jit returns equal the ones init makes
+        spec = [REPLICA] + [None] * (len(leaf.shape) - 1)
+        dim = self._outer_dim(leaf.shape[1:])
+        if dim is not None:
+            spec[1 + dim] = DATA
+        return P(*spec)
+
+    def state_specs(self, state: TrainState) -> TrainState:
+        """The PartitionSpec of every leaf of ``state`` (leading replica axis included)."""
+        rep = lambda tree: jax.tree.map(lambda x: P(REPLICA, *[None] * (x.ndim - 1)), tree)
+        return TrainState(
+            rep(state.params),
+            rep(state.inner_state),
+            jax.tree.map(self._outer_spec, state.outer_state),
+            P(REPLICA),
+        )
+
+    def _shardings(self, specs):
+        return jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+        )
+
+    # ------------------------------------------------------------------------------------
+    # state
+
+    def _init_unplaced(self, params: optax.Params) -> TrainState:
+        stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.replicas, *x.shape)), params)
+        return TrainState(
+            stacked,
+            jax.vmap(self.inner.init)(stacked),
+            jax.vmap(self.outer.init)(stacked),
+            jnp.zeros((self.replicas,), jnp.int32),
+        )
+
+    def abstract_state(self, params: optax.Params) -> TrainState:
+        """``jax.ShapeDtypeStruct`` leaves with shardings: for AOT compilation and memory."""
+        shapes = jax.eval_shape(self._init_unplaced, params)
+        shardings = self._shardings(self.state_specs(shapes))
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+        )
+
+    def init(self, params: optax.Params) -> TrainState:
+        """Every replica starts from ``params`` (one replica's parameters, no leading axis)."""
+        abstract = jax.eval_shape(self._init_unplaced, params)
+        shardings = self._shardings(self.state_specs(abstract))
+        return jax.jit(self._init_unplaced, out_shardings=shardings)(params)
+
+    # ------------------------------------------------------------------------------------
+    # validation
+
+    def check_batch(self, state: TrainState, batch: Any) -> None:
+        """Raises ``ValueError`` unless every batch leaf is ``[replica, H, B, ...]``, D | B,
+        and ``loss_fn`` returns a scalar on one device's slice."""
+        leaves = jax.tree_util.tree_leaves_with_path(batch)
+        if not leaves:
+            raise ValueError("batch must have at least one array leaf")
+        for path, leaf in leaves:
+            shape = tuple(jnp.shape(leaf))
+            name = jax.tree_util.keystr(path) or "batch"
+            if len(shape) < 3:
+                raise ValueError(
+                    f"batch leaf {name} must be [replica, H, batch, ...], got shape {shape}"
+                )
+            if shape[0] != self.replicas or shape[1] != self.sync_every:
+                raise ValueError(
+                    f"batch leaf {name} has shape {shape}: its leading dims must be "
+                    f"(replica={self.replicas}, H={self.sync_every}, ...)"
+                )
+            if shape[2] % self.data:
+                raise ValueError(
+                    f"batch leaf {name} has shape {shape}: its batch dim {shape[2]} must be a "
+                    f"multiple of the data axis size {self.data}"
+                )
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
+        one = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[2] // self.data, *x.shape[3:]), x.dtype), batch
+        )
+        out = jax.eval_shape(self.loss_fn, params, one)
+        if not (hasattr(out, "shape") and out.shape == ()):
+            raise ValueError(
+                f"loss_fn must return a scalar, got {getattr(out, 'shape', type(out).__name__)}"
+            )
+
+    # ------------------------------------------------------------------------------------
+    # the round
+
+    def _shard_local(self, tree):
+        """This data shard of each (full) parameter-shaped leaf, along the outer state's dim."""
+
+        def leaf(x):
+            dim = self._outer_dim(x.shape)
+            if dim is None:
+                return x
+            size = x.shape[dim] // self.data
+            start = jax.lax.axis_index(DATA) * size
+            return jax.lax.dynamic_slice_in_dim(x, start, size, axis=dim)
+
+        return jax.tree.map(leaf, tree)
+
+    def _unshard(self, shards, full_like):
+        # An all-gather would type its result as varying over "data"; params are
+        # data-invariant, so place the shard in a zero buffer and psum it over the data axis
+        # (the fast, intra-replica axis) instead.
+        def leaf(x, ref):
+            dim = self._outer_dim(ref.shape)
+            if dim is None:
+                return x
+            start = jax.lax.axis_index(DATA) * x.shape[dim]
+            full = jnp.zeros(ref.shape, x.dtype)
+            return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(full, x, start, dim), DATA)
+
+        return jax.tree.map(leaf, shards, full_like)
+
+    def _body(self, payload_shapes, params, inner_state, outer_state, rnd, batch):
+        squeeze = lambda t: jax.tree.map(lambda x: x[0], t)
+        params, inner_state, outer_state, rnd, batch = map(
+            squeeze, (params, inner_state, outer_state, rnd, batch)
+        )
+        outer = self.outer
+
+        # 1. a delayed payload depends on the state only: reduce it before the loop
+        if outer.staleness:
+            payload = outer.payload(self._shard_local(params), outer_state)
+            reduced = self.reduce(payload)
+
+        # 2. the inner loop, one replica
+        def step(carry, b):
+            p, s = carry
+            # params are data-invariant: mark them varying so grad gives this shard's gradient,
+            # then average over the data shards explicitly
+            pv = jax.lax.pcast(p, DATA, to="varying")
+            loss, grads = jax.value_and_grad(self.loss_fn)(pv, b)
+            grads = jax.lax.pmean(grads, DATA)
+            updates, s = self.inner.update(grads, s, p)
+            return (optax.apply_updates(p, updates), s), jax.lax.pmean(loss, DATA)
+
+        (params, inner_state), losses = jax.lax.scan(step, (params, inner_state), batch)
+
+        # 3. a synchronous payload needs this round's parameters
+        if not outer.staleness:
+            payload = outer.payload(self._shard_local(params), outer_state)
+            reduced = self.reduce(payload)
+
+        # 4. the outer update, on this device's shard of the outer state
+        new_shards, outer_state = outer.apply(self._shard_local(params), outer_state, reduced)
+        params = self._unshard(new_shards, params)
+
+        # metrics: a leaf whose local shape differs from its full shape is a data shard
+        sharded_sq, whole_sq = jnp.float32(0), jnp.float32(0)
+        for x, full in zip(jax.tree.leaves(payload), jax.tree.leaves(payload_shapes), strict=True):
+            sq = jnp.sum(jnp.square(x.astype(jnp.float32)))
+            if x.shape != full.shape:
+                sharded_sq = sharded_sq + sq
+            else:
+                whole_sq = whole_sq + sq
+        if self.shard_outer_state and self.data > 1:
+            sharded_sq = jax.lax.psum(sharded_sq, DATA)
+        payload_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(payload_shapes))
+        kind = "pmean" if self.reducer_kind == "outer" else self.reducer_kind
+        nbytes = _reducers.wire_bytes(kind, payload_bytes, self.replicas)
+        metrics = RoundMetrics(
+            losses, jnp.sqrt(sharded_sq + whole_sq), jnp.asarray(nbytes, jnp.float32)
+        )
+        out = (params, inner_state, outer_state, rnd + 1)
+        return jax.tree.map(lambda x: x[None], (*out, metrics))
+
+    def round_fn(self, state: TrainState):
+        """The jitted, shard_map'd round for states shaped like ``state``."""
+        specs = self.state_specs(state)
+        one = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), t)
+        payload_shapes = jax.eval_shape(
+            self.outer.payload, one(state.params), one(state.outer_state)
+        )
+        batch_spec = P(REPLICA, None, DATA)
+        metric_spec = RoundMetrics(P(REPLICA), P(REPLICA), P(REPLICA))
+        fn = jax.shard_map(
+            lambda p, i, o, r, b: self._body(payload_shapes, p, i, o, r, b),
+            mesh=self.mesh,
+            in_specs=(*specs, batch_spec),
+            out_specs=(*specs, metric_spec),
+        )
+        return jax.jit(
+            lambda s, b: (lambda *o: (TrainState(*o[:4]), o[4]))(*fn(*s, b)),
+            donate_argnums=(0,) if self._donate else (),
+        )
+
+    def _get(self, state):
+        key = jax.tree.structure(state), tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
+        if key not in self._compiled:
+            self._compiled[key] = self.round_fn(state)
+        return self._compiled[key]
+
+    def round(self, state: TrainState, batch: Any) -> tuple[TrainState, RoundMetrics]:
+        """One round: H inner steps per replica on ``batch`` ([R, H, B, ...]), then the sync."""
+        self.check_batch(state, batch)
+        return self._get(state)(state, self.place_batch(batch))
+
+    def place_batch(self, batch: Any) -> Any:
+        """Puts ``batch`` ([R, H, B, ...] leaves) on the mesh: replica and data sharded."""
+        sharding = NamedSharding(self.mesh, P(REPLICA, None, DATA))
+        return jax.tree.map(lambda x: jax.device_put(x, sharding), batch)
+
+    def lower(self, state: TrainState, batch: Any):
+        """``jax.stages.Lowered`` of the round (concrete or ``ShapeDtypeStruct`` arguments)."""
+        self.check_batch(state, batch)
+        return self._get(state).lower(state, batch)

@@ -1,0 +1,202 @@
+"""The round engine: equal to the textbook loops and the per-step adapter, on a mesh."""
+
+from __future__ import annotations
+
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import textbook as tb
+from jax.sharding import AxisType
+from test_algorithms import CASES, IDS
+
+import co2jax
+from co2jax import overlap
+
+LR, H, ROUNDS = 0.1, 3, 5
+TOL = harness.TOL[jnp.dtype(jnp.float32)]
+
+
+def engine_loss(params, batch):
+    """The textbook problem's loss on one device's slice of examples."""
+    theta = harness.flatten(params)
+    return jnp.mean(0.5 * jnp.sum(batch["d"] * (theta - batch["c"]) ** 2, axis=-1))
+
+
+def textbook_batch(problem: tb.Problem, steps: int = H) -> dict:
+    """[R, H, K, dim] leaves: every inner step sees the replica's K examples."""
+    R, K, dim = problem.c.shape
+    c = np.broadcast_to(problem.c[:, None], (R, steps, K, dim))
+    d = np.broadcast_to(problem.d[:, None, None], (R, steps, K, dim))
+    return {"c": jnp.asarray(c, jnp.float32), "d": jnp.asarray(d, jnp.float32)}
+
+
+def run_engine(outer, problem, mesh, rounds=ROUNDS, inner=None, **kw):
+    trainer = co2jax.RoundTrainer(
+        engine_loss, inner or optax.sgd(LR), outer, mesh, sync_every=H, **kw
+    )
+    state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
+    batch = textbook_batch(problem)
+    out, metrics = [], []
+    for _ in range(rounds):
+        state, m = trainer.round(state, batch)
+        out.append(np.asarray(harness.flatten(state.params), np.float64))
+        metrics.append(m)
+    return np.stack(out), state, metrics, trainer
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return tb.make_problem(replicas=4, examples=2)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_engine_matches_textbook(case, problem, mesh):
+    got, state, _, trainer = run_engine(case.make(), problem, mesh)
+    np.testing.assert_allclose(got, case.textbook(problem), **TOL)
+    assert trainer._get(state)._cache_size() == 1  # one program for every round
+    np.testing.assert_array_equal(state.round, [ROUNDS] * 4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_sharded_outer_state_matches_textbook(case, problem, mesh):
+    """The outer state sharded over data (1/D per device) changes no value."""
+    got, state, _, _ = run_engine(case.make(), problem, mesh, shard_outer_state=True)
+    np.testing.assert_allclose(got, case.textbook(problem), **TOL)
+    anchor = state.outer_state.anchor
+    # "b" has 2 elements: split over data=2; "w" has 3: kept whole
+    assert anchor["b"].sharding.shard_shape(anchor["b"].shape) == (1, 1)
+    assert anchor["w"].sharding.shard_shape(anchor["w"].shape) == (1, 3)
+
+
+@pytest.mark.parametrize("reducer", ["pmean", "all_gather", "ring", "outer"])
+@pytest.mark.parametrize("name", ["co2", "eager_diloco", "diloco"])
+def test_every_reducer_gives_the_same_trajectory(reducer, name, problem, mesh):
+    case = next(c for c in CASES if c.name == name)
+    got, *_ = run_engine(case.make(), problem, mesh, reducer=reducer)
+    np.testing.assert_allclose(got, case.textbook(problem), **TOL)
+
+
+def test_auto_axis_types(problem):
+    mesh = co2jax.make_mesh(
+        replica=4, data=2, devices=jax.devices("cpu")[:8], axis_type=AxisType.Auto
+    )
+    case = next(c for c in CASES if c.name == "co2_clip")
+    got, *_ = run_engine(case.make(), problem, mesh)
+    np.testing.assert_allclose(got, case.textbook(problem), **TOL)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_engine_equals_per_step_adapter(case, problem, mesh):
+    """Adam inner state persists in both; round engine == local_updates, step by step."""
+    got, *_ = run_engine(case.make(), problem, mesh, rounds=3, inner=optax.adam(0.05))
+    want, _ = harness.run_vmap(case.make(), problem, 0.05, H, 3, inner=optax.adam(0.05))
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_metrics(problem, mesh):
+    outer = co2jax.diloco(optax.sgd(0.7, momentum=0.9, nesterov=True))
+    _got, _state, metrics, _trainer = run_engine(outer, problem, mesh, rounds=1)
+    m = metrics[0]
+    assert m.loss.shape == (4, H)
+    assert np.all(np.diff(np.asarray(m.loss), axis=1) < 0)  # SGD on a quadratic descends
+    # the payload is Delta_r = theta0 - theta_r after H inner steps
+    local = np.stack([tb.inner_sgd(problem, r, problem.theta0, LR, H) for r in range(4)])
+    np.testing.assert_allclose(
+        m.pseudo_gradient_norm, np.linalg.norm(problem.theta0 - local, axis=1), **TOL
+    )
+    payload_bytes = 5 * 4  # five float32 parameters
+    np.testing.assert_allclose(m.bytes_communicated, 2 * 3 / 4 * payload_bytes)
+
+
+def test_sharded_metrics_equal_unsharded(problem, mesh):
+    outer = lambda: co2jax.co2(1.0, 0.5)
+    *_, plain, _ = run_engine(outer(), problem, mesh, rounds=2)
+    *_, sharded, _ = run_engine(outer(), problem, mesh, rounds=2, shard_outer_state=True)
+    for a, b in zip(plain, sharded, strict=True):
+        np.testing.assert_allclose(a.pseudo_gradient_norm, b.pseudo_gradient_norm, **TOL)
+        np.testing.assert_allclose(a.bytes_communicated, b.bytes_communicated)
+
+
+# ---------------------------------------------------------------------------------------------
+# communication structure
+
+
+def _placed(trainer, problem):
+    state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
+    return state, trainer.place_batch(textbook_batch(problem))
+
+
+@pytest.mark.parametrize("reducer", ["pmean", "all_gather", "ring"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_delayed_reduction_is_independent_of_the_inner_loop(case, reducer, problem, mesh):
+    outer = case.make()
+    trainer = co2jax.RoundTrainer(engine_loss, optax.sgd(LR), outer, mesh, H, reducer=reducer)
+    state, batch = _placed(trainer, problem)
+    report = overlap.overlap_report(trainer._get(state), state, batch)
+    assert report.in_loop == 0, "inner steps must not communicate over the replica axis"
+    assert report.loops == 1 and report.collectives >= 1
+    if outer.staleness:
+        assert report.independent, report
+    else:  # a synchronous sync must wait for the loop: the checker sees that
+        assert report.after_loop == report.collectives and not report.independent
+
+
+def test_round_hlo_has_one_replica_reduction_outside_the_loop(problem, mesh):
+    trainer = co2jax.RoundTrainer(engine_loss, optax.sgd(LR), co2jax.co2(1.0, 0.5), mesh, H)
+    state, batch = _placed(trainer, problem)
+    text = trainer._get(state).lower(state, batch).compile().as_text()
+    found = co2jax.hlo.over_axis(co2jax.hlo.collectives(text), mesh, "replica")
+    assert sum(c.elements for c in found) == 5
+    data = co2jax.hlo.over_axis(co2jax.hlo.collectives(text), mesh, "data")
+    assert data  # gradient means inside the loop
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_bad_inputs(problem, mesh):
+    outer = co2jax.local_sgd()
+    with pytest.raises(ValueError, match="sync_every=0"):
+        co2jax.RoundTrainer(engine_loss, optax.sgd(LR), outer, mesh, 0)
+    with pytest.raises(ValueError, match="reducer='tree'"):
+        co2jax.RoundTrainer(engine_loss, optax.sgd(LR), outer, mesh, H, reducer="tree")
+    flat = jax.make_mesh((8,), ("x",), devices=jax.devices("cpu")[:8])
+    with pytest.raises(ValueError, match="mesh must have axes"):
+        co2jax.RoundTrainer(engine_loss, optax.sgd(LR), outer, flat, H)
+    trainer = co2jax.RoundTrainer(engine_loss, optax.sgd(LR), outer, mesh, H)
+    state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
+    batch = textbook_batch(problem)
+    with pytest.raises(ValueError, match=r"\['c'\] has shape \(4, 2, 2, 5\)"):
+        trainer.round(state, {**batch, "c": batch["c"][:, :2]})
+    with pytest.raises(ValueError, match="multiple of the data axis size 2"):
+        trainer.round(state, jax.tree.map(lambda x: x[:, :, :1], batch))
+    with pytest.raises(ValueError, match=r"\[replica, H, batch"):
+        trainer.round(state, {"c": jnp.ones((4, 3)), "d": batch["d"]})
+    vector_loss = co2jax.RoundTrainer(
+        lambda p, b: harness.flatten(p) * b["c"], optax.sgd(LR), outer, mesh, H
+    )
+    with pytest.raises(ValueError, match="loss_fn must return a scalar"):
+        vector_loss.round(vector_loss.init(harness.unflatten(jnp.zeros(5))), batch)
+
+
+@pytest.mark.parametrize(
+    "sizes, match",
+    [
+        (dict(replica=3, data=-1), "does not divide"),
+        (dict(replica=2, data=2), "multiply to 4, but there are 8"),
+        (dict(replica=-1, data=-1), "at most one"),
+        (dict(replica=0, data=-1), "replica=0"),
+    ],
+)
+def test_make_mesh_errors(sizes, match):
+    with pytest.raises(ValueError, match=match):
+        co2jax.make_mesh(**sizes, devices=jax.devices("cpu")[:8])
