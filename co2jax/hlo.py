@@ -162,8 +162,13 @@ def conditional_computations(hlo: str) -> frozenset[str]:
 
 
 def axis_groups(mesh, axis: str) -> frozenset[tuple[int, ...]]:
-    """The device-id groups that span ``axis`` of ``mesh`` (one per index of the other axes)."""
-    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    """The groups that span ``axis`` of ``mesh`` (one per index of the other axes).
+
+    Groups are given as HLO numbers them with ``use_global_device_ids``: positions in the
+    program's device assignment (the mesh's devices in row-major order), not ``device.id``
+    (the two differ on TPU meshes laid out by topology).
+    """
+    ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
     k = mesh.axis_names.index(axis)
     rows = np.moveaxis(ids, k, -1).reshape(-1, ids.shape[k])
     return frozenset(tuple(sorted(int(v) for v in row)) for row in rows)
@@ -173,3 +178,48 @@ def over_axis(found: list[Collective], mesh, axis: str) -> list[Collective]:
     """The collectives in ``found`` whose groups are exactly the groups spanning ``axis``."""
     want = axis_groups(mesh, axis)
     return [c for c in found if frozenset(tuple(sorted(g)) for g in c.groups) == want]
+
+
+_ENTRY_OP = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = .*? (?P<op>[a-z][a-z0-9\-]*)\(")
+
+
+def entry_sequence(hlo: str) -> list[str]:
+    """The scheduled order of loops and collectives in the ENTRY computation of ``hlo``.
+
+    Items are HLO op names: ``"while"``, synchronous collectives (``"all-reduce"``,
+    ``"all-gather"``, ...), and asynchronous halves (``"all-gather-start"``,
+    ``"collective-permute-done"``, ...). XLA:TPU's fused asynchronous collectives appear as
+    ``"async-collective-start"`` / ``"async-collective-done"`` (their done may sit inside the
+    loop body, fused with its compute).
+
+    Example:
+      >>> text = "\\n".join([
+      ...     "ENTRY %main (p: f32[4]) -> f32[4] {",
+      ...     "  %ag = f32[8] all-gather-start(%p), replica_groups={{0,1}}",
+      ...     "  %w = (s32[]) while(%t), condition=%c, body=%b",
+      ...     "  %d = f32[8] all-gather-done(%ag)",
+      ...     "}"])
+      >>> entry_sequence(text)
+      ['all-gather-start', 'while', 'all-gather-done']
+    """
+    names = ("while", *_COLLECTIVE_OPS)
+    out, inside = [], False
+    for line in hlo.splitlines():
+        if line.startswith("ENTRY "):
+            inside = True
+            continue
+        if inside and line.startswith("}"):
+            break
+        if not inside:
+            continue
+        m = _ENTRY_OP.match(line)
+        if m is None:
+            continue
+        name, op = m.group("name"), m.group("op")
+        if name.startswith("async-collective-start") or name.startswith("async-collective-done"):
+            out.append(name.rsplit(".", 1)[0] if "." in name else name)
+        elif op in names or any(
+            op == f"{c}-{half}" for c in _COLLECTIVE_OPS for half in ("start", "done")
+        ):
+            out.append(op)
+    return out

@@ -17,6 +17,8 @@ All three equal the mean up to float rounding (summation order), and keep leaf d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -30,8 +32,26 @@ def pmean(axis_name: str = REPLICA_AXIS) -> Reducer:
     return replica_mean(axis_name)
 
 
+def _flatten(payload: Payload) -> tuple[jax.Array, Callable[[jax.Array], Payload]]:
+    """One float32 vector of every leaf, and the function that splits it back (dtypes kept)."""
+    leaves, treedef = jax.tree.flatten(payload)
+    flat = jnp.concatenate([x.astype(jnp.float32).ravel() for x in leaves])
+
+    def unflatten(vector: jax.Array) -> Payload:
+        pieces, offset = [], 0
+        for x in leaves:
+            pieces.append(vector[offset : offset + x.size].reshape(x.shape).astype(x.dtype))
+            offset += x.size
+        return jax.tree.unflatten(treedef, pieces)
+
+    return flat, unflatten
+
+
 def all_gather_mean(axis_name: str = REPLICA_AXIS) -> Reducer:
-    """All-gather every replica's payload, then average locally in float32.
+    """All-gather every replica's payload as one flat float32 buffer, then average locally.
+
+    One collective for the whole payload: XLA:TPU keeps one asynchronous collective in flight
+    across a loop, so a collective per leaf would leave all but one synchronous.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -42,12 +62,10 @@ def all_gather_mean(axis_name: str = REPLICA_AXIS) -> Reducer:
 
     def reduce(payload: Payload) -> Payload:
         check_axis(axis_name)
-
-        def leaf(x):
-            gathered = jax.lax.all_gather(x.astype(jnp.float32), axis_name)
-            return jnp.mean(gathered, axis=0).astype(x.dtype)
-
-        return jax.tree.map(leaf, payload)
+        if not jax.tree.leaves(payload):
+            return payload
+        flat, unflatten = _flatten(payload)
+        return unflatten(jnp.mean(jax.lax.all_gather(flat, axis_name), axis=0))
 
     return reduce
 
@@ -65,10 +83,9 @@ def ring_mean(axis_name: str = REPLICA_AXIS) -> Reducer:
 
     def reduce(payload: Payload) -> Payload:
         r = check_axis(axis_name)
-        leaves, treedef = jax.tree.flatten(payload)
-        if r == 1 or not leaves:
+        if r == 1 or not jax.tree.leaves(payload):
             return payload
-        flat = jnp.concatenate([x.astype(jnp.float32).ravel() for x in leaves])
+        flat, unflatten = _flatten(payload)
         n = flat.size
         chunks = jnp.pad(flat, (0, (-n) % r)).reshape(r, -1)
         i = jax.lax.axis_index(axis_name)
@@ -83,12 +100,7 @@ def ring_mean(axis_name: str = REPLICA_AXIS) -> Reducer:
         for s in range(r - 1):
             acc = jax.lax.ppermute(acc, axis_name, ring)
             out = out.at[(i - s) % r].set(acc)
-        flat = (out.reshape(-1)[:n] / r).astype(jnp.float32)
-        pieces, offset = [], 0
-        for x in leaves:
-            pieces.append(flat[offset : offset + x.size].reshape(x.shape).astype(x.dtype))
-            offset += x.size
-        return jax.tree.unflatten(treedef, pieces)
+        return unflatten(out.reshape(-1)[:n] / r)
 
     return reduce
 
