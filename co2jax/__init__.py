@@ -6,7 +6,7 @@ axis_name="replica")`` and under ``jax.shard_map`` on a device mesh. :func:`loca
 turns one into an optax transform for ordinary per-step training loops.
 """
 
-from co2jax import hlo, penalties, reducers
+from co2jax import hlo, overlap, penalties, reducers
 from co2jax._base import REPLICA_AXIS, OuterOptimizer, Reducer, replica_mean
 from co2jax.adapter import LocalUpdatesState, local_updates
 from co2jax.algorithms import (
@@ -52,6 +52,7 @@ __all__ = [
     "local_sgd",
     "local_updates",
     "make_mesh",
+    "overlap",
     "penalties",
     "pseudo_gradient_method",
     "reducers",

@@ -158,3 +158,45 @@ def overlap_report(fn: Callable, *args: Any, axis: str = REPLICA) -> OverlapRepo
 def _count_eqn(eqn, axis: str) -> int:
     own = int(eqn.primitive.name in COLLECTIVES and axis in _axes(eqn))
     return own + sum(_count(s, axis)[0] for s in _subjaxprs(eqn))
+
+
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "shard_map", "remat", "checkpoint"})
+
+
+def _taint(jaxpr, tainted_in: list[bool], axis: str) -> tuple[list[bool], int, int]:
+    """Propagates "depends on the sources" through ``jaxpr``; counts ``axis`` collectives.
+
+    Returns the taint of the outputs, the number of collectives, and how many of them have a
+    tainted input. Call-like equations are entered positionally; any other equation with a
+    sub-program is treated as a whole (a tainted input taints everything inside it).
+    """
+    tainted = {v for v, t in zip(jaxpr.invars, tainted_in, strict=True) if t}
+    total = hit = 0
+    for eqn in jaxpr.eqns:
+        flags = [not isinstance(v, Literal) and v in tainted for v in eqn.invars]
+        subs = _subjaxprs(eqn)
+        if eqn.primitive.name in _CALLS and len(subs) == 1 and len(subs[0].invars) == len(flags):
+            out_flags, n, k = _taint(subs[0], flags, axis)
+        else:
+            n = _count_eqn(eqn, axis)
+            k = n if any(flags) else 0
+            out_flags = [any(flags)] * len(eqn.outvars)
+        total, hit = total + n, hit + k
+        tainted.update(v for v, t in zip(eqn.outvars, out_flags, strict=True) if t)
+    return [not isinstance(v, Literal) and v in tainted for v in jaxpr.outvars], total, hit
+
+
+def collectives_depending_on(
+    fn: Callable, *args: Any, argnums: tuple[int, ...] = (0,), axis: str = REPLICA
+) -> tuple[int, int]:
+    """``(n, k)``: the ``axis`` collectives in ``fn(*args)``, and how many of them depend
+    (transitively) on the arguments ``argnums``.
+
+    ``k == 0`` means the communication can be issued without waiting for those arguments, e.g.
+    a per-step reduction that does not wait for the step's gradients. Trace a ``shard_map``
+    program: under ``vmap`` named-axis collectives become ordinary reductions.
+    """
+    closed = jax.make_jaxpr(fn)(*args)
+    flags = [i in argnums for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+    _, total, hit = _taint(closed.jaxpr, flags, axis)
+    return total, hit

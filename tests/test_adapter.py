@@ -170,3 +170,115 @@ def test_works_inside_nnx_optimizer():
     # after the last sync (step 6) the replicas agree
     for a in jax.tree.leaves(nnx_params):
         np.testing.assert_allclose(a[0], a[1], **TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# spreading a delayed reduction over the round's steps
+
+DELAYED = [c for c in CASES if c.make().staleness >= 1]
+DELAYED_IDS = [c.name for c in DELAYED]
+
+
+@pytest.mark.parametrize("sync_every", [3, 4])
+@pytest.mark.parametrize("case", DELAYED, ids=DELAYED_IDS)
+def test_spread_equals_unspread(case, sync_every, problem):
+    """H=4 > the leaf sizes, so chunk starts are clamped and some elements reduced twice."""
+    runs, reduced, expected = [], None, None
+    for spread in (True, False):
+        outer = case.make()
+        tx = co2jax.local_updates(optax.adam(LR), outer, sync_every, spread=spread)
+        params = harness.initial_params(problem)
+        state = jax.vmap(tx.init)(params)
+        d, c = jnp.asarray(problem.d), jnp.asarray(problem.c)
+
+        def step(params, state, d, c, tx=tx):
+            updates, state = tx.update(jax.grad(harness.loss_fn)(params, d, c), state, params)
+            return optax.apply_updates(params, updates), state
+
+        step = jax.jit(jax.vmap(step, axis_name="replica"))
+        for i in range(ROUNDS * sync_every):
+            if spread and i == 2 * sync_every:  # the start of round 2: the payload is known
+                payload = jax.vmap(outer.payload)(params, state.outer_state)
+                expected = jax.vmap(outer.reduce, axis_name="replica")(payload)
+            params, state = step(params, state, d, c)
+            if spread and i == 3 * sync_every - 1:  # what the sync of round 2 applied
+                reduced = state.reduced
+        runs.append(np.asarray(harness.flatten(params)))
+    # the assembled reduction is exactly the unchunked one
+    for a, b in zip(jax.tree.leaves(reduced), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # the trajectories are two different compiled programs: XLA may contract the outer
+    # update's arithmetic differently (FMA), so allow one float32 ulp
+    np.testing.assert_allclose(runs[0], runs[1], rtol=1e-6, atol=1e-7)
+
+
+def _shard_step(tx, mesh):
+    rep = P("replica")
+
+    def body(params, state, d, c):
+        params, state, d, c = jax.tree.map(lambda x: x[0], (params, state, d, c))
+        p = jax.lax.pcast(params, "data", to="varying")
+        grads = jax.lax.pmean(jax.grad(harness.loss_fn)(p, d, c), "data")
+        updates, state = tx.update(grads, state, params)
+        return jax.tree.map(lambda x: x[None], (optax.apply_updates(params, updates), state))
+
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(rep, rep, rep, P("replica", "data")), out_specs=rep
+        )
+    )
+
+
+def _run_shard_step(tx, problem, mesh, steps):
+    rep = P("replica")
+    params = harness.initial_params(problem)
+    state = harness.place(jax.vmap(tx.init)(params), mesh, rep)
+    params = harness.place(params, mesh, rep)
+    d = harness.place(jnp.asarray(problem.d), mesh, rep)
+    c = harness.place(jnp.asarray(problem.c), mesh, P("replica", "data"))
+    step = _shard_step(tx, mesh)
+    for _ in range(steps):
+        params, state = step(params, state, d, c)
+    return np.asarray(harness.flatten(params)), step, (params, state, d, c)
+
+
+@pytest.mark.parametrize("kind", ["pmean", "all_gather", "ring"])
+def test_spread_under_shard_map(kind, problem):
+    mesh = harness.make_mesh(replica=4, data=2)
+    reduce = co2jax.reducers.make(kind)
+    outer = lambda: co2jax.co2(1.0, 0.5, clip_threshold=0.1)
+    spread = co2jax.local_updates(optax.sgd(LR), outer(), H, spread=True, reduce=reduce)
+    plain = co2jax.local_updates(optax.sgd(LR), outer(), H, spread=False)
+    got, step, args = _run_shard_step(spread, problem, mesh, ROUNDS * H)
+    want, *_ = _run_shard_step(plain, problem, mesh, ROUNDS * H)
+    if kind == "ring":  # the ring sums each chunk in its own order
+        np.testing.assert_allclose(got, want, **TOL)
+    else:
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(
+        got, tb.co2_paper(problem, LR, H, ROUNDS, alpha=1.0, beta=0.5, phi=0.1)[-1], **TOL
+    )
+
+    # every step reduces 1/H of the payload, outside the sync branch, before the gradients
+    n, k = co2jax.overlap.collectives_depending_on(step, *args, argnums=(0, 2, 3))
+    assert n >= 1 and k == 0, (n, k)
+    if kind == "pmean":
+        text = step.lower(*args).compile().as_text()
+        found = co2jax.hlo.over_axis(co2jax.hlo.collectives(text), mesh, "replica")
+        branches = co2jax.hlo.conditional_computations(text)
+        assert found and all(c.computation not in branches for c in found)
+        assert sum(c.elements for c in found) == 1 + 1  # ceil(2/3) + ceil(3/3)
+
+
+def test_unspread_sync_waits_for_the_gradients(problem):
+    """The checker can fail: without spreading, the sync's reduction needs this step's params."""
+    mesh = harness.make_mesh(replica=4, data=2)
+    tx = co2jax.local_updates(optax.sgd(LR), co2jax.diloco(optax.sgd(0.7)), H)
+    _, step, args = _run_shard_step(tx, problem, mesh, 1)
+    n, k = co2jax.overlap.collectives_depending_on(step, *args, argnums=(0, 2, 3))
+    assert n >= 1 and k == n
+
+
+def test_spread_needs_a_delayed_algorithm():
+    with pytest.raises(ValueError, match="staleness=0"):
+        co2jax.local_updates(optax.sgd(LR), co2jax.local_sgd(), H, spread=True)
