@@ -6,7 +6,7 @@ axis_name="replica")`` and under ``jax.shard_map`` on a device mesh. :func:`loca
 turns one into an optax transform for ordinary per-step training loops.
 """
 
-from co2jax import hlo, overlap, penalties, reducers
+from co2jax import distributed, hlo, overlap, penalties, reducers
 from co2jax._base import REPLICA_AXIS, OuterOptimizer, Reducer, replica_mean
 from co2jax.adapter import LocalUpdatesState, local_updates
 from co2jax.algorithms import (
@@ -46,6 +46,7 @@ __all__ = [
     "co2",
     "data_parallel",
     "delayed_diloco",
+    "distributed",
     "diloco",
     "eager_diloco",
     "hlo",
