@@ -11,6 +11,9 @@ mesh (``jax.shard_map``):
 3. for a synchronous algorithm, the reduction of this round's payload;
 4. the outer update, then every replica restarts from what it returned.
 
+The communication is expressed as :mod:`co2jax.segments` events (issue at one step, consume at
+a later one), the mechanism Streaming DiLoCo's fragments reuse.
+
 Per-replica state carries an explicit leading replica axis sharded over ``replica``
 (parameters that entered replica-invariant would silently become data-parallel). With
 ``shard_outer_state=True`` the outer state (anchor, momentum, in-flight pseudo-gradients) is
@@ -44,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from co2jax import reducers as _reducers
 from co2jax._base import OuterOptimizer, check_int, check_transform
 from co2jax.mesh import DATA, REPLICA
+from co2jax.segments import Consume, Issue, scan_segments
 
 REDUCER_CHOICES = ("auto", "outer", *_reducers.KINDS)
 
@@ -63,6 +67,13 @@ class TrainState(NamedTuple):
     inner_state: optax.OptState
     outer_state: Any
     round: jax.Array
+
+
+class _Carry(NamedTuple):
+    params: optax.Params
+    inner_state: optax.OptState
+    outer_state: Any
+    norm: jax.Array
 
 
 class RoundMetrics(NamedTuple):
@@ -275,56 +286,66 @@ class RoundTrainer:
 
         return jax.tree.map(leaf, shards, full_like)
 
-    def _body(self, payload_shapes, params, inner_state, outer_state, rnd, batch):
-        squeeze = lambda t: jax.tree.map(lambda x: x[0], t)
-        params, inner_state, outer_state, rnd, batch = map(
-            squeeze, (params, inner_state, outer_state, rnd, batch)
-        )
-        outer = self.outer
-
-        # 1. a delayed payload depends on the state only: reduce it before the loop
-        if outer.staleness:
-            payload = outer.payload(self._shard_local(params), outer_state)
-            reduced = self.reduce(payload)
-
-        # 2. the inner loop, one replica
-        def step(carry, b):
-            p, s = carry
-            # params are data-invariant: mark them varying so grad gives this shard's gradient,
-            # then average over the data shards explicitly
-            pv = jax.lax.pcast(p, DATA, to="varying")
-            loss, grads = jax.value_and_grad(self.loss_fn)(pv, b)
-            grads = jax.lax.pmean(grads, DATA)
-            updates, s = self.inner.update(grads, s, p)
-            return (optax.apply_updates(p, updates), s), jax.lax.pmean(loss, DATA)
-
-        (params, inner_state), losses = jax.lax.scan(step, (params, inner_state), batch)
-
-        # 3. a synchronous payload needs this round's parameters
-        if not outer.staleness:
-            payload = outer.payload(self._shard_local(params), outer_state)
-            reduced = self.reduce(payload)
-
-        # 4. the outer update, on this device's shard of the outer state
-        new_shards, outer_state = outer.apply(self._shard_local(params), outer_state, reduced)
-        params = self._unshard(new_shards, params)
-
-        # metrics: a leaf whose local shape differs from its full shape is a data shard
+    def _payload_norm(self, payload, payload_shapes) -> jax.Array:
+        """L2 norm of this replica's whole payload (data shards summed over ``data``)."""
         sharded_sq, whole_sq = jnp.float32(0), jnp.float32(0)
         for x, full in zip(jax.tree.leaves(payload), jax.tree.leaves(payload_shapes), strict=True):
             sq = jnp.sum(jnp.square(x.astype(jnp.float32)))
-            if x.shape != full.shape:
+            if x.shape != full.shape:  # a data shard of the leaf
                 sharded_sq = sharded_sq + sq
             else:
                 whole_sq = whole_sq + sq
         if self.shard_outer_state and self.data > 1:
             sharded_sq = jax.lax.psum(sharded_sq, DATA)
+        return jnp.sqrt(sharded_sq + whole_sq)
+
+    def round_events(self, payload_shapes) -> list[Issue | Consume]:
+        """The round's communication as segment events (see :mod:`co2jax.segments`).
+
+        A delayed payload depends on the state only, so its reduction is issued before the
+        first inner step; a synchronous one after the last. Both are consumed after the last
+        step by the outer update.
+        """
+        outer, H = self.outer, self.sync_every
+
+        def issue(c: _Carry):
+            payload = outer.payload(self._shard_local(c.params), c.outer_state)
+            return self.reduce(payload), self._payload_norm(payload, payload_shapes)
+
+        def consume(c: _Carry, value) -> _Carry:
+            reduced, norm = value
+            shards, outer_state = outer.apply(self._shard_local(c.params), c.outer_state, reduced)
+            return c._replace(
+                params=self._unshard(shards, c.params), outer_state=outer_state, norm=norm
+            )
+
+        at = 0 if outer.staleness else H
+        return [Issue(at, "sync", issue), Consume(H, "sync", consume)]
+
+    def _body(self, payload_shapes, params, inner_state, outer_state, rnd, batch):
+        squeeze = lambda t: jax.tree.map(lambda x: x[0], t)
+        params, inner_state, outer_state, rnd, batch = map(
+            squeeze, (params, inner_state, outer_state, rnd, batch)
+        )
+
+        def step(c: _Carry, b) -> tuple[_Carry, jax.Array]:
+            # params are data-invariant: mark them varying so grad gives this shard's gradient,
+            # then average over the data shards explicitly; nothing crosses "replica" here
+            pv = jax.lax.pcast(c.params, DATA, to="varying")
+            loss, grads = jax.value_and_grad(self.loss_fn)(pv, b)
+            grads = jax.lax.pmean(grads, DATA)
+            updates, inner = self.inner.update(grads, c.inner_state, c.params)
+            p = optax.apply_updates(c.params, updates)
+            return c._replace(params=p, inner_state=inner), jax.lax.pmean(loss, DATA)
+
+        carry = _Carry(params, inner_state, outer_state, jnp.float32(0))
+        carry, losses = scan_segments(step, carry, batch, self.round_events(payload_shapes))
+        params, inner_state, outer_state = carry.params, carry.inner_state, carry.outer_state
+
         payload_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(payload_shapes))
         kind = "pmean" if self.reducer_kind == "outer" else self.reducer_kind
         nbytes = _reducers.wire_bytes(kind, payload_bytes, self.replicas)
-        metrics = RoundMetrics(
-            losses, jnp.sqrt(sharded_sq + whole_sq), jnp.asarray(nbytes, jnp.float32)
-        )
+        metrics = RoundMetrics(losses, carry.norm, jnp.asarray(nbytes, jnp.float32))
         out = (params, inner_state, outer_state, rnd + 1)
         return jax.tree.map(lambda x: x[None], (*out, metrics))
 
