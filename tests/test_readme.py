@@ -8,13 +8,16 @@ from pathlib import Path
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def test_readme_quickstart_runs_and_converges(capsys):
+def test_readme_examples_run_and_converge(capsys):
+    """The optax-loop quickstart, then the round engine continuing it (8 emulated devices)."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert len(blocks) == 1
+    assert len(blocks) == 2
     namespace: dict = {}
     exec(compile(blocks[0], "README.md", "exec"), namespace)
     assert float(namespace["loss"].mean()) < 0.03
-    assert "loss" in capsys.readouterr().out
+    exec(compile(blocks[1], "README.md", "exec"), namespace)
+    assert float(namespace["metrics"].loss[:, -1].mean()) < 0.03
+    assert capsys.readouterr().out.count("loss") == 2
 
 
 def test_readme_holds_exactly_two_setup_commands():
