@@ -19,6 +19,7 @@ from co2jax.algorithms import (
     diloco,
     eager_diloco,
     local_sgd,
+    no_sync,
     pseudo_gradient_method,
     slowmo,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "local_sgd",
     "local_updates",
     "make_mesh",
+    "no_sync",
     "overlap",
     "penalties",
     "pseudo_gradient_method",

@@ -200,3 +200,9 @@ def test_bad_inputs(problem, mesh):
 def test_make_mesh_errors(sizes, match):
     with pytest.raises(ValueError, match=match):
         co2jax.make_mesh(**sizes, devices=jax.devices("cpu")[:8])
+
+
+def test_ddp_through_the_engine(problem, mesh):
+    """data_parallel inner + no_sync outer: synchronous SGD, one replica all-reduce per step."""
+    got, *_ = run_engine(co2jax.no_sync(), problem, mesh, inner=co2jax.data_parallel(optax.sgd(LR)))
+    np.testing.assert_allclose(got, tb.data_parallel_sgd(problem, LR, H, ROUNDS), **TOL)

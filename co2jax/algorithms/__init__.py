@@ -1,7 +1,7 @@
 """The outer-optimizer algorithms."""
 
 from co2jax.algorithms.co2 import CO2MomentumState, co2, scale_by_co2_momentum
-from co2jax.algorithms.data_parallel import data_parallel
+from co2jax.algorithms.data_parallel import NoSyncState, data_parallel, no_sync
 from co2jax.algorithms.diloco import delayed_diloco, diloco, eager_diloco
 from co2jax.algorithms.local_sgd import local_sgd
 from co2jax.algorithms.pseudo_gradient import PseudoGradientState, pseudo_gradient_method
@@ -17,6 +17,8 @@ __all__ = [
     "diloco",
     "eager_diloco",
     "local_sgd",
+    "no_sync",
+    "NoSyncState",
     "pseudo_gradient_method",
     "scale_by_co2_momentum",
     "scale_by_slow_momentum",

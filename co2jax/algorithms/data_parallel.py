@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import optax
 
-from co2jax._base import REPLICA_AXIS, check_axis, check_axis_name, check_transform
+from co2jax._base import (
+    REPLICA_AXIS,
+    OuterOptimizer,
+    check_axis,
+    check_axis_name,
+    check_transform,
+)
 
 
 def data_parallel(
@@ -40,3 +48,28 @@ def data_parallel(
         return inner.update(updates, state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+class NoSyncState(NamedTuple):
+    """State of :func:`no_sync` (empty)."""
+
+
+def no_sync() -> OuterOptimizer:
+    """An outer optimizer that does nothing: the sync returns the parameters unchanged.
+
+    With :func:`data_parallel` as the inner transform (gradients already averaged over the
+    replica axis every step), :class:`co2jax.RoundTrainer` runs plain DDP.
+
+    Example:
+      >>> import jax.numpy as jnp, co2jax
+      >>> outer = co2jax.no_sync()
+      >>> outer.sync(jnp.ones(2), outer.init(jnp.ones(2)))  # no axis needed: nothing to reduce
+      (Array([1., 1.], dtype=float32), NoSyncState())
+    """
+    return OuterOptimizer(
+        init=lambda params: NoSyncState(),
+        sync=lambda params, state: (params, state),
+        payload=lambda params, state: (),
+        reduce=lambda payload: payload,
+        apply=lambda params, state, reduced: (params, state),
+    )
