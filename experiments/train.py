@@ -1,0 +1,342 @@
+"""Language-model pretraining with an outer-optimizer algorithm, on the round engine.
+
+    python -m experiments.train --preset cpu-tiny outer.algorithm=co2 train.rounds=10
+
+Builds the data streams, the flax.nnx transformer, the inner AdamW and the outer algorithm
+from a :class:`experiments.config.Config`, runs ``train.rounds`` rounds of
+:class:`co2jax.RoundTrainer`, and writes into ``log.dir/<name>/``: ``config.json`` (the
+resolved config), ``metrics.jsonl`` (one record per round), TensorBoard event files, and orbax
+checkpoints when ``checkpoint.dir`` is set (``--resume`` continues from the latest one; the
+data position is the round index, so a resumed run sees the same batches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from experiments import config as config_lib
+
+
+def _setup_devices(cfg: config_lib.Config) -> None:
+    """On CPU, emulate as many devices as the mesh needs (before JAX starts a backend)."""
+    import jax
+
+    if (jax.config.jax_platforms or "cpu") == "cpu" and jax.config.jax_num_cpu_devices < 1:
+        sizes = [s for s in (cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model) if s > 0]
+        jax.config.update("jax_num_cpu_devices", max(8, math.prod(sizes)))
+
+
+class Run(NamedTuple):
+    cfg: config_lib.Config
+    trainer: Any
+    streams: Any
+    graphdef: Any
+    params: Any
+    loss_fn: Any
+    eval_fn: Any
+    schedule: Any
+
+
+def build_outer(o: config_lib.OuterConfig, sync_every: int, schedule):
+    """The outer algorithm, through co2jax's public factories; ``None`` for DDP."""
+    import optax
+
+    import co2jax
+
+    def sgd():
+        return optax.sgd(o.learning_rate, momentum=o.momentum or None, nesterov=o.nesterov)
+
+    if o.algorithm == "ddp":
+        return None
+    if o.algorithm == "local_sgd":
+        outer = co2jax.local_sgd()
+    elif o.algorithm == "slowmo":
+        outer = co2jax.slowmo(
+            lambda t: schedule(t * sync_every),
+            slow_learning_rate=o.learning_rate,
+            slow_momentum=o.momentum,
+        )
+    elif o.algorithm == "diloco":
+        outer = co2jax.diloco(sgd())
+    elif o.algorithm == "delayed_diloco":
+        outer = co2jax.delayed_diloco(sgd(), delay=o.delay)
+    elif o.algorithm == "eager_diloco":
+        return co2jax.eager_diloco(sgd(), delay=o.delay)  # replica-local: no skip guard
+    else:
+        penalty = {
+            "none": None,
+            "constant": co2jax.penalties.constant(o.penalty_lambda),
+            "gap_aware": co2jax.penalties.gap_aware(o.gap_decay),
+        }[o.penalty]
+        outer = co2jax.co2(o.learning_rate, o.momentum, o.clip_threshold, penalty, o.mode)
+    return co2jax.skip_nonfinite(outer) if o.skip_nonfinite else outer
+
+
+def build(cfg: config_lib.Config) -> Run:
+    """Everything a run needs; raises ValueError for a bad config before compiling."""
+    _setup_devices(cfg)
+    import jax
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import co2jax
+    from experiments import data as data_lib
+    from experiments import model as model_lib
+
+    config_lib.validate(cfg, jax.device_count())
+    t, i = cfg.train, cfg.inner
+    streams = data_lib.make_streams(
+        {k: v for k, v in vars_of(cfg.data).items() if k != "kind"} | {"kind": cfg.data.kind},
+        replicas=cfg.mesh.replica,
+        steps_per_round=t.sync_every,
+    )
+    overrides = {
+        k: v
+        for k, v in vars_of(cfg.model).items()
+        if k in ("d_model", "n_layers", "n_heads", "d_ff") and v is not None
+    }
+    mcfg = model_lib.preset(
+        cfg.model.preset,
+        vocab_size=streams.vocab_size,
+        max_seq_len=cfg.data.seq_len,
+        dtype=cfg.model.dtype,
+        **overrides,
+    )
+    graphdef, params = model_lib.init_params(mcfg, t.seed)
+    loss_fn = model_lib.make_loss_fn(graphdef)
+
+    total = t.rounds * t.sync_every
+    if i.schedule == "cosine":
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0,
+            i.learning_rate,
+            min(i.warmup_steps, total - 1),
+            max(total, 2),
+            0.1 * i.learning_rate,
+        )
+    else:
+        schedule = optax.linear_schedule(0.0, i.learning_rate, max(i.warmup_steps, 1))
+    inner = optax.adamw(schedule, b1=i.b1, b2=i.b2, weight_decay=i.weight_decay)
+    outer = build_outer(cfg.outer, t.sync_every, schedule)
+    if outer is None:
+        inner, outer = co2jax.data_parallel(inner), co2jax.no_sync()
+    mesh = co2jax.make_mesh(cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model)
+    trainer = co2jax.RoundTrainer(loss_fn, inner, outer, mesh, t.sync_every)
+
+    rep = P("replica")
+    eval_fn = jax.jit(
+        jax.shard_map(
+            lambda p, b: loss_fn(jax.tree.map(lambda x: x[0], p), b)[None],
+            mesh=mesh,
+            in_specs=(rep, P()),
+            out_specs=rep,
+        )
+    )
+    eval_batch = jax.device_put(streams.eval_batch(cfg.eval.batch), NamedSharding(mesh, P()))
+    return Run(cfg, trainer, streams, graphdef, params, loss_fn, (eval_fn, eval_batch), schedule)
+
+
+def vars_of(section) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+
+
+def _clip_fraction(state, threshold: float | None) -> float | None:
+    """Fraction of CO2 momentum elements at the clip bound."""
+    if threshold is None:
+        return None
+    import jax
+
+    inner = getattr(state.outer_state, "inner_state", state.outer_state)
+    momentum = getattr(getattr(inner, "outer_state", None), "momentum", None)
+    if momentum is None:
+        return None
+    leaves = [np.abs(np.asarray(x)) for x in jax.tree.leaves(jax.device_get(momentum))]
+    at = sum(int((x >= threshold * (1 - 1e-6)).sum()) for x in leaves)
+    return at / max(1, sum(x.size for x in leaves))
+
+
+def _skipped(state) -> int | None:
+    n = getattr(state.outer_state, "num_skipped", None)
+    return None if n is None else int(np.asarray(n).max())
+
+
+class _Writers:
+    def __init__(self, out: Path, tensorboard: bool):
+        out.mkdir(parents=True, exist_ok=True)
+        self.jsonl = (out / "metrics.jsonl").open("a")
+        self.tb = None
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+
+                self.tb = SummaryWriter(str(out / "tensorboard"))
+            except ImportError:  # optional: pip install co2jax[experiments]
+                self.tb = None
+
+    def write(self, record: dict) -> None:
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and value is not None and key != "round":
+                    self.tb.add_scalar(key, value, record["tokens"])
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+class Result(NamedTuple):
+    history: list[dict]  # one record per round run here (also in metrics.jsonl)
+    state: Any  # the final co2jax.TrainState
+
+
+def train(
+    cfg: config_lib.Config,
+    *,
+    resume: bool = False,
+    out_dir: str | None = None,
+    stop_after: int | None = None,
+) -> Result:
+    """Runs ``cfg``; returns the per-round records and the final state.
+
+    ``stop_after`` ends this invocation after that many rounds in total (as a job time limit
+    would); a later ``resume=True`` run continues from the last checkpoint. Checkpoints are
+    taken at round boundaries: a resumed run repeats the rounds after the last checkpoint and
+    ends bitwise-identical to an uninterrupted one.
+    """
+    run = build(cfg)
+    import jax
+
+    trainer, streams, t = run.trainer, run.streams, cfg.train
+    out = Path(out_dir or os.path.join(cfg.log.dir, cfg.name))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(config_lib.to_json(cfg))
+
+    state, start = trainer.init(run.params), 0
+    manager = None
+    if cfg.checkpoint.dir:
+        import orbax.checkpoint as ocp
+
+        manager = ocp.CheckpointManager(
+            Path(cfg.checkpoint.dir).absolute(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint.keep),
+        )
+        if resume and manager.latest_step() is not None:
+            start = manager.latest_step()
+            target = trainer.abstract_state(run.params)
+            state = manager.restore(start, args=ocp.args.StandardRestore(target))
+    previous = _kept_records(out / "metrics.jsonl", start)
+
+    writers = _Writers(out, cfg.log.tensorboard)
+    R, H, B, L = streams.shape[0], streams.shape[1], streams.shape[2], streams.shape[3] - 1
+    tokens_per_round = R * H * B * L
+    history, bytes_total = [], (previous[-1]["bytes_total"] if previous else 0.0)
+    progress = None
+    if cfg.log.progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=t.rounds, initial=start, desc=cfg.name, unit="round")
+    eval_fn, eval_batch = run.eval_fn
+    try:
+        end = t.rounds if stop_after is None else min(t.rounds, stop_after)
+        for k in range(start, end):
+            batch = streams.round_batch(k)
+            began = time.perf_counter()
+            state, metrics = trainer.round(state, batch)
+            metrics = jax.device_get(metrics)
+            seconds = time.perf_counter() - began
+            bytes_round = float(np.asarray(metrics.bytes_communicated)[0])
+            if cfg.outer.algorithm == "ddp":  # DDP reduces its gradients every step
+                bytes_round = 2.0 * (R - 1) / R * _param_bytes(run.params) * H if R > 1 else 0.0
+            bytes_total += bytes_round
+            loss = np.asarray(metrics.loss)
+            record = {
+                "round": k + 1,
+                "tokens": (k + 1) * tokens_per_round,
+                "train_loss": float(loss.mean()),
+                "train_loss_last": float(loss[:, -1].mean()),
+                "train_loss_per_replica": [float(x) for x in loss.mean(axis=1)],
+                "bytes_round": bytes_round,
+                "bytes_total": bytes_total,
+                "pseudo_gradient_norm": float(np.asarray(metrics.pseudo_gradient_norm).mean()),
+                "seconds": seconds,
+                "tokens_per_s": tokens_per_round / seconds,
+                "inner_lr": float(run.schedule((k + 1) * H)),
+                "skipped": _skipped(state),
+                "clip_fraction": _clip_fraction(state, cfg.outer.clip_threshold),
+            }
+            last = k + 1 == t.rounds
+            if last or (cfg.eval.every and (k + 1) % cfg.eval.every == 0):
+                record["eval_loss"] = float(
+                    np.asarray(jax.device_get(eval_fn(state.params, eval_batch))).mean()
+                )
+            writers.write(record)
+            history.append(record)
+            if progress is not None:
+                progress.set_postfix(
+                    loss=f"{record['train_loss_last']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}"
+                )
+                progress.update(1)
+            if manager is not None and ((k + 1) % cfg.checkpoint.every == 0 or last):
+                import orbax.checkpoint as ocp
+
+                manager.save(k + 1, args=ocp.args.StandardSave(state))
+                manager.wait_until_finished()
+    finally:
+        writers.close()
+        if progress is not None:
+            progress.close()
+        if manager is not None:
+            manager.close()
+    return Result(history, state)
+
+
+def _kept_records(path: Path, start: int) -> list[dict]:
+    """Keeps the metrics of rounds <= ``start`` (a resumed run rewrites the later ones)."""
+    if not path.exists():
+        return []
+    kept = [r for r in map(json.loads, path.read_text().splitlines()) if r["round"] <= start]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return kept
+
+
+def _param_bytes(params) -> int:
+    import jax
+
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="co2jax pretraining run")
+    parser.add_argument("--preset", default="cpu-tiny", choices=sorted(config_lib.PRESETS))
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--distributed", action="store_true", help="join a multi-host run first")
+    parser.add_argument("overrides", nargs="*", help="section.field=value")
+    args = parser.parse_args(argv)
+    cfg = config_lib.override(config_lib.preset(args.preset), args.overrides)
+    if args.distributed:
+        import co2jax.distributed
+
+        co2jax.distributed.initialize()
+    history = train(cfg, resume=args.resume).history
+    if history:
+        last = history[-1]
+        eval_loss = last.get("eval_loss", float("nan"))
+        print(f"{cfg.name}: round {last['round']}, eval loss {eval_loss:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The experiments: configs, the training driver on the emulated mesh, exact resume, report."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import compare, train
+from experiments import config as config_lib
+from experiments import model as model_lib
+
+CPU_PRESETS = ["cpu-tiny", "cpu-stdlib", "micro"]
+
+
+def _micro(tmp_path, *overrides):
+    cfg = config_lib.override(
+        config_lib.preset("micro"), [f"log.dir={tmp_path}", "log.tensorboard=false", *overrides]
+    )
+    return cfg
+
+
+@pytest.mark.parametrize("name", sorted(config_lib.PRESETS))
+def test_every_preset_parses_validates_and_round_trips(name):
+    cfg = config_lib.preset(name)
+    if cfg.data.kind == "tokens":
+        with pytest.raises(ValueError, match="data.path=None"):  # the launch scripts give it
+            config_lib.validate(cfg)
+        cfg = config_lib.override(cfg, ["data.path=/data/tokens.bin"])
+    config_lib.validate(cfg, 8 if name in CPU_PRESETS else None)
+    assert config_lib.from_dict(config_lib.to_dict(cfg)) == cfg
+    mcfg = model_lib.preset(cfg.model.preset)
+    assert model_lib.param_count(mcfg) > 0
+
+
+@pytest.mark.parametrize("name", ["cpu-tiny", "cpu-stdlib"])
+def test_cpu_presets_build(name):
+    run = train.build(config_lib.preset(name))
+    assert run.trainer.replicas == 4 and run.streams.shape[:2] == (4, run.cfg.train.sync_every)
+
+
+def test_overrides():
+    cfg = config_lib.override(
+        config_lib.preset("cpu-tiny"),
+        ["outer.algorithm=co2", "outer.clip_threshold=0.5", "data.iid=false", "name=x"],
+    )
+    assert (cfg.outer.algorithm, cfg.outer.clip_threshold, cfg.data.iid, cfg.name) == (
+        "co2",
+        0.5,
+        False,
+        "x",
+    )
+    assert config_lib.override(cfg, ["outer.clip_threshold=none"]).outer.clip_threshold is None
+    with pytest.raises(ValueError, match=r"unknown config field 'outer\.lr'"):
+        config_lib.override(cfg, ["outer.lr=1"])
+    with pytest.raises(ValueError, match=r"outer\.momentum='fast'"):
+        config_lib.override(cfg, ["outer.momentum=fast"])
+    with pytest.raises(ValueError, match=r"section\.field=value"):
+        config_lib.override(cfg, ["outer.momentum"])
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["outer.algorithm=adam"], "outer.algorithm='adam'"),
+        (["train.sync_every=0"], "train.sync_every=0"),
+        (["mesh.replica=3"], "mesh.replica=3"),
+        (["data.batch=5"], "data.batch=5"),
+        (["data.kind=text"], "data.path=None"),
+        (["outer.penalty=big"], "outer.penalty='big'"),
+        (["outer.momentum=1.0"], "outer.momentum=1.0"),
+    ],
+)
+def test_bad_configs_fail_before_compiling(overrides, match, tmp_path):
+    cfg = _micro(tmp_path, *overrides)
+    with pytest.raises(ValueError, match=match.replace("(", r"\(")):
+        train.build(cfg)
+
+
+@pytest.mark.parametrize("algorithm", config_lib.ALGORITHMS)
+def test_every_algorithm_runs_two_rounds(algorithm, tmp_path):
+    momentum = "0.0" if algorithm in ("co2", "delayed_diloco", "eager_diloco") else "0.9"
+    cfg = _micro(tmp_path, f"outer.algorithm={algorithm}", f"outer.momentum={momentum}")
+    result = train.train(cfg)
+    assert [r["round"] for r in result.history] == [1, 2]
+    last = result.history[-1]
+    assert np.isfinite(last["eval_loss"]) and np.isfinite(last["train_loss"])
+    assert last["bytes_total"] > 0
+    lines = (tmp_path / "micro" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    assert (tmp_path / "micro" / "config.json").exists()
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "co2"])
+def test_resume_is_bitwise_identical(algorithm, tmp_path):
+    """4 rounds straight == 2 rounds, stop, resume for 2 more (delayed CO2 included)."""
+    common = [f"outer.algorithm={algorithm}", "train.rounds=4", "checkpoint.every=1"]
+    if algorithm == "co2":
+        common += ["outer.momentum=0.5", "outer.penalty=gap_aware", "outer.clip_threshold=0.05"]
+    straight = train.train(
+        _micro(tmp_path / "a", *common, f"checkpoint.dir={tmp_path / 'ca'}")
+    ).state
+    cfg = _micro(tmp_path / "b", *common, f"checkpoint.dir={tmp_path / 'cb'}")
+    first = train.train(cfg, stop_after=2)
+    assert [r["round"] for r in first.history] == [1, 2]
+    resumed = train.train(cfg, resume=True)
+    assert [r["round"] for r in resumed.history] == [3, 4]
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    records = (tmp_path / "b" / "micro" / "metrics.jsonl").read_text().splitlines()
+    assert len(records) == 4
+
+
+def test_report_writes_table_and_plots(tmp_path):
+    base = _micro(tmp_path / "runs", "log.progress=false")
+    sweep = [("DDP", ["outer.algorithm=ddp"]), ("CO2", ["outer.algorithm=co2"])]
+    link = compare.Link()
+    rows = compare.run_sweep(base, tmp_path, link, sweep)
+    path = compare.write_report(rows, base, tmp_path, link)
+    text = path.read_text()
+    assert "| DDP |" in text and "| CO2 |" in text and "Published ordering" in text
+    for name in ("loss_vs_tokens.png", "loss_vs_bytes.png", "loss_vs_wallclock.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_cost_model():
+    link = compare.Link(bandwidth_gbps=1.0, latency_ms=0.0, overlap_slowdown=0.0)
+    comm = link.allreduce_s(1e9 / 8, 2)  # 1 Gbit payload, 2 replicas: 1 s
+    assert comm == pytest.approx(1.0)
+    assert compare.simulated_round_s("diloco", 0.1, 10, 1e9 / 8, 2, link) == pytest.approx(2.0)
+    # an overlapped reduction hides behind the round's 1 s of compute
+    assert compare.simulated_round_s("co2", 0.1, 10, 1e9 / 8, 2, link) == pytest.approx(1.0)
+    assert compare.simulated_round_s("co2", 0.05, 10, 1e9 / 8, 2, link) == pytest.approx(1.0)
+    assert compare.simulated_round_s("ddp", 0.1, 10, 1e9 / 8, 2, link) == pytest.approx(11.0)
+    slow = dataclasses.replace(link, overlap_slowdown=0.2)
+    assert compare.simulated_round_s("co2", 0.1, 10, 1e9 / 8, 2, slow) == pytest.approx(1.2)
