@@ -26,7 +26,7 @@ def _micro(tmp_path, *overrides):
 def test_every_preset_parses_validates_and_round_trips(name):
     cfg = config_lib.preset(name)
     if cfg.data.kind == "tokens":
-        with pytest.raises(ValueError, match="data.path=None"):  # the launch scripts give it
+        with pytest.raises(ValueError, match=r"data\.path=None"):  # the launch scripts give it
             config_lib.validate(cfg)
         cfg = config_lib.override(cfg, ["data.path=/data/tokens.bin"])
     config_lib.validate(cfg, 8 if name in CPU_PRESETS else None)
