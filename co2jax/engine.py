@@ -74,6 +74,7 @@ class _Carry(NamedTuple):
     inner_state: optax.OptState
     outer_state: Any
     norm: jax.Array
+    cosine: jax.Array
 
 
 class RoundMetrics(NamedTuple):
@@ -82,12 +83,15 @@ class RoundMetrics(NamedTuple):
     Attributes:
       loss: [R, H] the loss of every inner step (mean over the replica's data shards).
       pseudo_gradient_norm: [R] L2 norm of the payload this replica put on the wire.
+      cosine_to_mean: [R] cosine between that payload and the replicas' reduced mean (1 when
+        replicas agree; for delayed algorithms, of the earlier round's payload).
       bytes_communicated: [R] bytes this replica sent over the replica axis this round
         (ring model of the chosen reducer; see :func:`co2jax.reducers.wire_bytes`).
     """
 
     loss: jax.Array
     pseudo_gradient_norm: jax.Array
+    cosine_to_mean: jax.Array
     bytes_communicated: jax.Array
 
 
@@ -99,17 +103,28 @@ def _shard_dim(shape: tuple[int, ...], parts: int) -> int | None:
     return max(dims, key=lambda d: (shape[d], -d)) if dims else None
 
 
-def auto_reducer(platform: str, replicas: int, staleness: int) -> str:
+ALL_GATHER_LIMIT = 256 * 2**20
+"""Largest ``R * payload`` (float32 bytes) the auto policy all-gathers on TPU."""
+
+
+def auto_reducer(platform: str, replicas: int, staleness: int, payload_elements: int = 0) -> str:
     """The reducer the engine picks: one the target compiler overlaps with the inner loop.
 
     A synchronous sync cannot overlap anything, so it uses the all-reduce. A delayed one uses,
-    on TPU, the all-gather (R <= 4, one asynchronous collective) or the ppermute ring (larger
-    R, all-reduce traffic); elsewhere the all-reduce (asynchronous by default on GPU; XLA:CPU
-    runs every collective synchronously). See ``docs/overlap.md``.
+    on TPU, the all-gather (one asynchronous collective around the loop) while R <= 4 and the R
+    gathered float32 copies of the payload stay under :data:`ALL_GATHER_LIMIT`, else the
+    ppermute ring (two chunk buffers; its last step overlaps). The limit is measured: for a
+    1B-parameter model on a v5e slice the all-gather round needed 26 GiB of temporaries
+    (unsharded; HBM is 16 GiB) and 400 s to compile (sharded), the all-reduce round 3 GiB and
+    11 s (``benchmarks/README.md``). Elsewhere the all-reduce (asynchronous by default on GPU;
+    XLA:CPU runs every collective synchronously). See ``docs/overlap.md``.
     """
     if staleness == 0 or platform != "tpu":
         return "pmean"
-    return "all_gather" if replicas <= 4 else "ring"
+    gathered = replicas * payload_elements * 4  # the all-gather reducer sums in float32
+    if replicas <= 4 and gathered <= ALL_GATHER_LIMIT:
+        return "all_gather"
+    return "ring"
 
 
 class RoundTrainer:
@@ -156,11 +171,9 @@ class RoundTrainer:
             raise ValueError(f"reducer must be one of {REDUCER_CHOICES}, got reducer={reducer!r}")
         self.loss_fn, self.outer, self.mesh = loss_fn, outer, mesh
         self.replicas, self.data = mesh.shape[REPLICA], mesh.shape[DATA]
-        platform = mesh.devices.flat[0].platform
-        if reducer == "auto":
-            reducer = auto_reducer(platform, self.replicas, outer.staleness)
-        self.reducer_kind = reducer
-        self.reduce = outer.reduce if reducer == "outer" else _reducers.make(reducer, REPLICA)
+        self.platform = mesh.devices.flat[0].platform
+        self.reducer = reducer
+        self.reducer_kind = None if reducer == "auto" else reducer  # auto: set per program
         self.shard_outer_state = bool(shard_outer_state)
         self._donate = donate
         self._compiled: dict = {}
@@ -286,20 +299,43 @@ class RoundTrainer:
 
         return jax.tree.map(leaf, shards, full_like)
 
-    def _payload_norm(self, payload, payload_shapes) -> jax.Array:
-        """L2 norm of this replica's whole payload (data shards summed over ``data``)."""
-        sharded_sq, whole_sq = jnp.float32(0), jnp.float32(0)
-        for x, full in zip(jax.tree.leaves(payload), jax.tree.leaves(payload_shapes), strict=True):
-            sq = jnp.sum(jnp.square(x.astype(jnp.float32)))
-            if x.shape != full.shape:  # a data shard of the leaf
-                sharded_sq = sharded_sq + sq
-            else:
-                whole_sq = whole_sq + sq
-        if self.shard_outer_state and self.data > 1:
-            sharded_sq = jax.lax.psum(sharded_sq, DATA)
-        return jnp.sqrt(sharded_sq + whole_sq)
+    def _payload_stats(self, payload, reduced, payload_shapes) -> tuple[jax.Array, jax.Array]:
+        """L2 norm of this replica's whole payload and its cosine with the reduced mean.
 
-    def round_events(self, payload_shapes) -> list[Issue | Consume]:
+        Data shards of a leaf (a local shape that differs from the full one) are summed over
+        ``data``; whole leaves are counted once.
+        """
+        sharded = jnp.zeros(3, jnp.float32)  # |p|^2, |r|^2, <p, r>
+        whole = jnp.zeros(3, jnp.float32)
+        leaves = zip(
+            jax.tree.leaves(payload),
+            jax.tree.leaves(reduced),
+            jax.tree.leaves(payload_shapes),
+            strict=True,
+        )
+        for p, r, full in leaves:
+            p, r = p.astype(jnp.float32), r.astype(jnp.float32)
+            sums = jnp.stack([jnp.sum(p * p), jnp.sum(r * r), jnp.sum(p * r)])
+            if p.shape != full.shape:
+                sharded = sharded + sums
+            else:
+                whole = whole + sums
+        if self.shard_outer_state and self.data > 1:
+            sharded = jax.lax.psum(sharded, DATA)
+        pp, rr, pr = sharded + whole
+        norm = jnp.sqrt(pp)
+        cosine = jnp.where(pp * rr > 0, pr / jnp.sqrt(jnp.where(pp * rr > 0, pp * rr, 1.0)), 0.0)
+        return norm, cosine
+
+    def _choose_reducer(self, payload_shapes) -> tuple[str, Any]:
+        kind = self.reducer
+        if kind == "auto":
+            elements = sum(x.size for x in jax.tree.leaves(payload_shapes))
+            kind = auto_reducer(self.platform, self.replicas, self.outer.staleness, elements)
+        reduce = self.outer.reduce if kind == "outer" else _reducers.make(kind, REPLICA)
+        return kind, reduce
+
+    def round_events(self, payload_shapes, reduce=None) -> list[Issue | Consume]:
         """The round's communication as segment events (see :mod:`co2jax.segments`).
 
         A delayed payload depends on the state only, so its reduction is issued before the
@@ -307,22 +343,29 @@ class RoundTrainer:
         step by the outer update.
         """
         outer, H = self.outer, self.sync_every
+        if reduce is None:
+            reduce = self._choose_reducer(payload_shapes)[1]
 
         def issue(c: _Carry):
             payload = outer.payload(self._shard_local(c.params), c.outer_state)
-            return self.reduce(payload), self._payload_norm(payload, payload_shapes)
+            reduced = reduce(payload)
+            # statistics of the reduced value are only needed when it is consumed
+            return reduced, self._payload_stats(payload, reduced, payload_shapes)
 
         def consume(c: _Carry, value) -> _Carry:
-            reduced, norm = value
+            reduced, (norm, cosine) = value
             shards, outer_state = outer.apply(self._shard_local(c.params), c.outer_state, reduced)
             return c._replace(
-                params=self._unshard(shards, c.params), outer_state=outer_state, norm=norm
+                params=self._unshard(shards, c.params),
+                outer_state=outer_state,
+                norm=norm,
+                cosine=cosine,
             )
 
         at = 0 if outer.staleness else H
         return [Issue(at, "sync", issue), Consume(H, "sync", consume)]
 
-    def _body(self, payload_shapes, params, inner_state, outer_state, rnd, batch):
+    def _body(self, payload_shapes, kind, reduce, params, inner_state, outer_state, rnd, batch):
         squeeze = lambda t: jax.tree.map(lambda x: x[0], t)
         params, inner_state, outer_state, rnd, batch = map(
             squeeze, (params, inner_state, outer_state, rnd, batch)
@@ -338,14 +381,16 @@ class RoundTrainer:
             p = optax.apply_updates(c.params, updates)
             return c._replace(params=p, inner_state=inner), jax.lax.pmean(loss, DATA)
 
-        carry = _Carry(params, inner_state, outer_state, jnp.float32(0))
-        carry, losses = scan_segments(step, carry, batch, self.round_events(payload_shapes))
+        carry = _Carry(params, inner_state, outer_state, jnp.float32(0), jnp.float32(0))
+        events = self.round_events(payload_shapes, reduce)
+        carry, losses = scan_segments(step, carry, batch, events)
         params, inner_state, outer_state = carry.params, carry.inner_state, carry.outer_state
 
         payload_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(payload_shapes))
-        kind = "pmean" if self.reducer_kind == "outer" else self.reducer_kind
-        nbytes = _reducers.wire_bytes(kind, payload_bytes, self.replicas)
-        metrics = RoundMetrics(losses, carry.norm, jnp.asarray(nbytes, jnp.float32))
+        nbytes = _reducers.wire_bytes(
+            "pmean" if kind == "outer" else kind, payload_bytes, self.replicas
+        )
+        metrics = RoundMetrics(losses, carry.norm, carry.cosine, jnp.asarray(nbytes, jnp.float32))
         out = (params, inner_state, outer_state, rnd + 1)
         return jax.tree.map(lambda x: x[None], (*out, metrics))
 
@@ -356,10 +401,12 @@ class RoundTrainer:
         payload_shapes = jax.eval_shape(
             self.outer.payload, one(state.params), one(state.outer_state)
         )
+        kind, reduce = self._choose_reducer(payload_shapes)
+        self.reducer_kind = kind
         batch_spec = P(REPLICA, None, DATA)
-        metric_spec = RoundMetrics(P(REPLICA), P(REPLICA), P(REPLICA))
+        metric_spec = RoundMetrics(P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA))
         fn = jax.shard_map(
-            lambda p, i, o, r, b: self._body(payload_shapes, p, i, o, r, b),
+            lambda p, i, o, r, b: self._body(payload_shapes, kind, reduce, p, i, o, r, b),
             mesh=self.mesh,
             in_specs=(*specs, batch_spec),
             out_specs=(*specs, metric_spec),

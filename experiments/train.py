@@ -272,6 +272,7 @@ def train(
                 "bytes_round": bytes_round,
                 "bytes_total": bytes_total,
                 "pseudo_gradient_norm": float(np.asarray(metrics.pseudo_gradient_norm).mean()),
+                "cosine_to_mean": float(np.asarray(metrics.cosine_to_mean).mean()),
                 "seconds": seconds,
                 "tokens_per_s": tokens_per_round / seconds,
                 "inner_lr": float(run.schedule((k + 1) * H)),

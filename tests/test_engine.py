@@ -112,6 +112,10 @@ def test_metrics(problem, mesh):
     np.testing.assert_allclose(
         m.pseudo_gradient_norm, np.linalg.norm(problem.theta0 - local, axis=1), **TOL
     )
+    deltas = problem.theta0 - local
+    mean = deltas.mean(axis=0)
+    cosine = deltas @ mean / (np.linalg.norm(deltas, axis=1) * np.linalg.norm(mean))
+    np.testing.assert_allclose(m.cosine_to_mean, cosine, **TOL)
     payload_bytes = 5 * 4  # five float32 parameters
     np.testing.assert_allclose(m.bytes_communicated, 2 * 3 / 4 * payload_bytes)
 
@@ -122,6 +126,7 @@ def test_sharded_metrics_equal_unsharded(problem, mesh):
     *_, sharded, _ = run_engine(outer(), problem, mesh, rounds=2, shard_outer_state=True)
     for a, b in zip(plain, sharded, strict=True):
         np.testing.assert_allclose(a.pseudo_gradient_norm, b.pseudo_gradient_norm, **TOL)
+        np.testing.assert_allclose(a.cosine_to_mean, b.cosine_to_mean, **TOL)
         np.testing.assert_allclose(a.bytes_communicated, b.bytes_communicated)
 
 
@@ -206,3 +211,14 @@ def test_ddp_through_the_engine(problem, mesh):
     """data_parallel inner + no_sync outer: synchronous SGD, one replica all-reduce per step."""
     got, *_ = run_engine(co2jax.no_sync(), problem, mesh, inner=co2jax.data_parallel(optax.sgd(LR)))
     np.testing.assert_allclose(got, tb.data_parallel_sgd(problem, LR, H, ROUNDS), **TOL)
+
+
+def test_auto_reducer_policy():
+    auto = co2jax.engine.auto_reducer
+    assert auto("cpu", 4, 1) == auto("gpu", 4, 1) == "pmean"
+    assert auto("tpu", 4, 0) == "pmean"  # a synchronous sync overlaps nothing
+    assert auto("tpu", 2, 1, 1_000_000) == "all_gather"
+    assert auto("tpu", 8, 1, 1_000_000) == "ring"  # all-gather traffic grows with R
+    limit = co2jax.engine.ALL_GATHER_LIMIT
+    assert auto("tpu", 2, 1, limit // 8) == "all_gather"
+    assert auto("tpu", 2, 1, limit // 8 + 1) == "ring"  # R float32 copies would not fit
