@@ -18,8 +18,12 @@ Per-replica state carries an explicit leading replica axis sharded over ``replic
 (parameters that entered replica-invariant would silently become data-parallel). With
 ``shard_outer_state=True`` the outer state (anchor, momentum, in-flight pseudo-gradients) is
 also sharded over ``data`` inside each replica (ZeRO-1 style): each device holds, reduces and
-updates 1/D of it, and the new parameters are all-gathered over ``data``. This needs an
-element-wise outer optimizer (every co2jax algorithm is).
+updates 1/D of it, and the new parameters are rebuilt over ``data``. With ``fsdp=True`` the
+parameters and the inner optimizer state are sharded the same way (FSDP / ZeRO-3): each inner
+step all-gathers the parameters over ``data`` and reduce-scatters the gradients, and the outer
+step runs on the shards in place. Both need element-wise optimizers (every co2jax algorithm,
+AdamW and SGD are). A leaf is split along its largest dim that ``data`` divides; a leaf with
+none stays whole on every device.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, co2jax
@@ -140,6 +144,11 @@ class RoundTrainer:
       reducer: ``"auto"`` (see :func:`auto_reducer`), ``"outer"`` (the algorithm's own
         ``reduce``), or one of ``co2jax.reducers.KINDS``.
       shard_outer_state: shard the outer state over ``data`` inside each replica.
+      fsdp: also shard the parameters and the inner optimizer state over ``data`` (FSDP /
+        ZeRO-3 style): each inner step all-gathers the parameters over ``data`` for the
+        forward and backward pass and reduce-scatters the gradients; the outer step runs on
+        the shards in place. Implies ``shard_outer_state``; needs an element-wise inner
+        optimizer (AdamW, SGD, ...).
       donate: donate the input state's buffers to the round's output.
     """
 
@@ -153,6 +162,7 @@ class RoundTrainer:
         *,
         reducer: str = "auto",
         shard_outer_state: bool = False,
+        fsdp: bool = False,
         donate: bool = True,
     ):
         if not callable(loss_fn):
@@ -174,7 +184,8 @@ class RoundTrainer:
         self.platform = mesh.devices.flat[0].platform
         self.reducer = reducer
         self.reducer_kind = None if reducer == "auto" else reducer  # auto: set per program
-        self.shard_outer_state = bool(shard_outer_state)
+        self.fsdp = bool(fsdp)
+        self.shard_outer_state = bool(shard_outer_state) or self.fsdp
         self._donate = donate
         self._compiled: dict = {}
 
@@ -194,7 +205,10 @@ class RoundTrainer:
 
     def state_specs(self, state: TrainState) -> TrainState:
         """The PartitionSpec of every leaf of ``state`` (leading replica axis included)."""
-        rep = lambda tree: jax.tree.map(lambda x: P(REPLICA, *[None] * (x.ndim - 1)), tree)
+        if self.fsdp:
+            rep = lambda tree: jax.tree.map(self._outer_spec, tree)
+        else:
+            rep = lambda tree: jax.tree.map(lambda x: P(REPLICA, *[None] * (x.ndim - 1)), tree)
         return TrainState(
             rep(state.params),
             rep(state.inner_state),
@@ -274,6 +288,8 @@ class RoundTrainer:
 
     def _shard_local(self, tree):
         """This data shard of each (full) parameter-shaped leaf, along the outer state's dim."""
+        if self.fsdp:  # the parameters already are shards
+            return tree
 
         def leaf(x):
             dim = self._outer_dim(x.shape)
@@ -286,6 +302,9 @@ class RoundTrainer:
         return jax.tree.map(leaf, tree)
 
     def _unshard(self, shards, full_like):
+        if self.fsdp:
+            return shards
+
         # An all-gather would type its result as varying over "data"; params are
         # data-invariant, so place the shard in a zero buffer and psum it over the data axis
         # (the fast, intra-replica axis) instead.
@@ -365,18 +384,52 @@ class RoundTrainer:
         at = 0 if outer.staleness else H
         return [Issue(at, "sync", issue), Consume(H, "sync", consume)]
 
-    def _body(self, payload_shapes, kind, reduce, params, inner_state, outer_state, rnd, batch):
+    def _gather_params(self, params, param_shapes):
+        """Full parameters for the forward pass: FSDP shards all-gathered over ``data``;
+        whole leaves marked data-varying so that grad gives this shard's gradient."""
+
+        def leaf(p, full):
+            if p.shape != full.shape:
+                return jax.lax.all_gather(p, DATA, axis=self._outer_dim(full.shape), tiled=True)
+            return jax.lax.pcast(p, DATA, to="varying")
+
+        return jax.tree.map(leaf, params, param_shapes)
+
+    def _reduce_grads(self, grads, param_shapes, params):
+        """The data-mean of the gradients, reduce-scattered to this device's FSDP shards."""
+
+        def leaf(g, full, p):
+            if p.shape != full.shape:
+                dim = self._outer_dim(full.shape)
+                summed = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
+                return summed / self.data
+            return jax.lax.pmean(g, DATA)
+
+        return jax.tree.map(leaf, grads, param_shapes, params)
+
+    def _body(
+        self,
+        payload_shapes,
+        param_shapes,
+        kind,
+        reduce,
+        params,
+        inner_state,
+        outer_state,
+        rnd,
+        batch,
+    ):
         squeeze = lambda t: jax.tree.map(lambda x: x[0], t)
         params, inner_state, outer_state, rnd, batch = map(
             squeeze, (params, inner_state, outer_state, rnd, batch)
         )
 
         def step(c: _Carry, b) -> tuple[_Carry, jax.Array]:
-            # params are data-invariant: mark them varying so grad gives this shard's gradient,
-            # then average over the data shards explicitly; nothing crosses "replica" here
-            pv = jax.lax.pcast(c.params, DATA, to="varying")
-            loss, grads = jax.value_and_grad(self.loss_fn)(pv, b)
-            grads = jax.lax.pmean(grads, DATA)
+            # gradients are averaged over the data shards explicitly; nothing crosses
+            # "replica" here
+            full = self._gather_params(c.params, param_shapes)
+            loss, grads = jax.value_and_grad(self.loss_fn)(full, b)
+            grads = self._reduce_grads(grads, param_shapes, c.params)
             updates, inner = self.inner.update(grads, c.inner_state, c.params)
             p = optax.apply_updates(c.params, updates)
             return c._replace(params=p, inner_state=inner), jax.lax.pmean(loss, DATA)
@@ -401,12 +454,15 @@ class RoundTrainer:
         payload_shapes = jax.eval_shape(
             self.outer.payload, one(state.params), one(state.outer_state)
         )
+        param_shapes = one(state.params)
         kind, reduce = self._choose_reducer(payload_shapes)
         self.reducer_kind = kind
         batch_spec = P(REPLICA, None, DATA)
         metric_spec = RoundMetrics(P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA))
         fn = jax.shard_map(
-            lambda p, i, o, r, b: self._body(payload_shapes, kind, reduce, p, i, o, r, b),
+            lambda p, i, o, r, b: self._body(
+                payload_shapes, param_shapes, kind, reduce, p, i, o, r, b
+            ),
             mesh=self.mesh,
             in_specs=(*specs, batch_spec),
             out_specs=(*specs, metric_spec),

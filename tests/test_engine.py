@@ -42,7 +42,7 @@ def run_engine(outer, problem, mesh, rounds=ROUNDS, inner=None, **kw):
     out, metrics = [], []
     for _ in range(rounds):
         state, m = trainer.round(state, batch)
-        out.append(np.asarray(harness.flatten(state.params), np.float64))
+        out.append(np.asarray(harness.flatten(jax.device_get(state.params)), np.float64))
         metrics.append(m)
     return np.stack(out), state, metrics, trainer
 
@@ -222,3 +222,39 @@ def test_auto_reducer_policy():
     limit = co2jax.engine.ALL_GATHER_LIMIT
     assert auto("tpu", 2, 1, limit // 8) == "all_gather"
     assert auto("tpu", 2, 1, limit // 8 + 1) == "ring"  # R float32 copies would not fit
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_fsdp_matches_textbook(case, problem, mesh):
+    """Parameters, inner and outer state sharded over data: the same trajectory."""
+    got, state, _, _ = run_engine(case.make(), problem, mesh, fsdp=True)
+    np.testing.assert_allclose(got, case.textbook(problem), **TOL)
+    params, anchor = state.params, state.outer_state.anchor
+    assert params["b"].sharding.shard_shape(params["b"].shape) == (1, 1)  # split over data
+    assert params["w"].sharding.shard_shape(params["w"].shape) == (1, 3)  # 3 % 2: whole
+    assert anchor["b"].sharding.shard_shape(anchor["b"].shape) == (1, 1)
+
+
+def test_fsdp_with_adam_equals_unsharded(problem, mesh):
+    outer = lambda: co2jax.co2(1.0, 0.5, clip_threshold=0.1)
+    plain, *_ = run_engine(outer(), problem, mesh, rounds=3, inner=optax.adamw(0.05))
+    sharded, state, _, _ = run_engine(
+        outer(), problem, mesh, rounds=3, inner=optax.adamw(0.05), fsdp=True
+    )
+    np.testing.assert_allclose(sharded, plain, **TOL)
+    mu = state.inner_state[0].mu["b"]
+    assert mu.sharding.shard_shape(mu.shape) == (1, 1)  # AdamW's moments are sharded too
+
+
+def test_fsdp_round_keeps_the_replica_axis_out_of_the_loop(problem, mesh):
+    trainer = co2jax.RoundTrainer(
+        engine_loss, optax.adamw(LR), co2jax.co2(1.0, 0.5), mesh, H, fsdp=True
+    )
+    state, batch = _placed(trainer, problem)
+    report = overlap.overlap_report(trainer._get(state), state, batch)
+    assert report.in_loop == 0 and report.independent, report
+    text = trainer._get(state).lower(state, batch).compile().as_text()
+    data_ops = {c.op for c in co2jax.hlo.over_axis(co2jax.hlo.collectives(text), mesh, "data")}
+    # FSDP leaves: all-gather the parameters, reduce-scatter the gradients; whole leaves and
+    # the loss: all-reduce
+    assert {"all-gather", "reduce-scatter", "all-reduce"} <= data_ops, data_ops
