@@ -166,6 +166,12 @@ def _clip_fraction(state, threshold: float | None) -> float | None:
     return at / max(1, sum(x.size for x in leaves))
 
 
+def _penalty_scale(state) -> float | None:
+    inner = getattr(state.outer_state, "inner_state", state.outer_state)
+    scale = getattr(getattr(inner, "outer_state", None), "penalty_scale", None)
+    return None if scale is None else float(np.asarray(scale).mean())
+
+
 def _skipped(state) -> int | None:
     n = getattr(state.outer_state, "num_skipped", None)
     return None if n is None else int(np.asarray(n).max())
@@ -278,6 +284,10 @@ def train(
                 "inner_lr": float(run.schedule((k + 1) * H)),
                 "skipped": _skipped(state),
                 "clip_fraction": _clip_fraction(state, cfg.outer.clip_threshold),
+                "penalty_scale": _penalty_scale(state),
+                "collective": "all-reduce (every step)"
+                if cfg.outer.algorithm == "ddp"
+                else f"{trainer.reducer_kind} (once per round)",
             }
             last = k + 1 == t.rounds
             if last or (cfg.eval.every and (k + 1) % cfg.eval.every == 0):

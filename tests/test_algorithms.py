@@ -176,3 +176,28 @@ def test_data_parallel_matches_textbook(problem):
         got.append(np.asarray(harness.flatten(params)))
     expected = tb.data_parallel_sgd(problem, LR, H, ROUNDS)
     np.testing.assert_allclose(np.stack(got), expected, **harness.TOL[jnp.dtype(jnp.float32)])
+
+
+@pytest.mark.parametrize(
+    "penalty, want",
+    [(None, 1.0), (penalties.constant(2.0), 0.5), (lambda a, p, d: 0.25, 0.25)],
+    ids=["none", "constant", "callable"],
+)
+def test_co2_records_its_penalty_scale(penalty, want):
+    outer = co2jax.co2(1.0, 0.5, penalty=penalty)
+    state = jax.vmap(outer.init)(jnp.zeros((2, 3)))
+    sync = jax.vmap(outer.sync, axis_name="replica")
+    for _ in range(2):  # the first real average arrives at the second sync
+        _, state = sync(jnp.array([[1.0], [3.0]]) * jnp.ones((2, 3)), state)
+    np.testing.assert_allclose(state.outer_state.penalty_scale, [want, want])
+
+
+def test_gap_aware_penalty_scale_is_below_one_once_the_anchor_moves():
+    outer = co2jax.co2(1.0, 0.5, penalty=penalties.gap_aware(decay=0.5))
+    state = jax.vmap(outer.init)(jnp.zeros((2, 3)))
+    sync = jax.vmap(outer.sync, axis_name="replica")
+    params = jnp.zeros((2, 3))
+    for _ in range(5):
+        params, state = sync(params + jnp.array([[1.0], [3.0]]), state)
+    scale = np.asarray(state.outer_state.penalty_scale)
+    assert np.all((scale > 0) & (scale < 1)), scale

@@ -29,10 +29,13 @@ class CO2MomentumState(NamedTuple):
     Attributes:
       momentum: the outer momentum ``m`` (clipped when ``clip_threshold`` is set).
       penalty_state: the staleness penalty's own state (``EmptyPenaltyState`` when none).
+      penalty_scale: 0-d float32, the mean multiplier ``Lambda`` of the last outer step (1
+        with no penalty): how strongly staleness was damped, for logging.
     """
 
     momentum: optax.Updates
     penalty_state: Any
+    penalty_scale: jax.Array
 
 
 def _scale(multiplier: Any, tree: Any) -> Any:
@@ -40,6 +43,18 @@ def _scale(multiplier: Any, tree: Any) -> Any:
     if jax.tree.structure(multiplier) == jax.tree.structure(tree):
         return jax.tree.map(lambda m, x: (m * x).astype(x.dtype), multiplier, tree)
     return jax.tree.map(lambda x: (multiplier * x).astype(x.dtype), tree)
+
+
+def _mean_multiplier(multiplier: Any, tree: Any) -> jax.Array:
+    """The element-weighted mean of a scalar or per-element multiplier."""
+    if jax.tree.structure(multiplier) != jax.tree.structure(tree):
+        return jnp.asarray(multiplier, jnp.float32).mean()
+    leaves = jax.tree.leaves(multiplier)
+    total = sum(
+        jnp.sum(jnp.broadcast_to(m, x.shape).astype(jnp.float32))
+        for m, x in zip(leaves, jax.tree.leaves(tree), strict=True)
+    )
+    return total / max(1, sum(x.size for x in jax.tree.leaves(tree)))
 
 
 def scale_by_co2_momentum(
@@ -56,23 +71,26 @@ def scale_by_co2_momentum(
 
     def init(params):
         pstate = penalty.init(params) if penalty is not None else _penalties.EmptyPenaltyState()
-        return CO2MomentumState(jax.tree.map(jnp.zeros_like, params), pstate)
+        return CO2MomentumState(
+            jax.tree.map(jnp.zeros_like, params), pstate, jnp.ones([], jnp.float32)
+        )
 
     def update(updates, state, params=None):
         if params is None:
             raise ValueError("scale_by_co2_momentum needs params (the anchor)")
-        pstate = state.penalty_state
+        pstate, scale = state.penalty_state, jnp.ones([], jnp.float32)
         if penalty is not None:
             previous_anchor = jax.tree.map(
                 lambda a, m: a + learning_rate * m, params, state.momentum
             )
             lam, pstate = penalty.update(params, previous_anchor, updates, pstate)
             updates = _scale(lam, updates)
+            scale = _mean_multiplier(lam, updates)
         m = jax.tree.map(lambda m, g: (momentum * m + g).astype(m.dtype), state.momentum, updates)
         if clip_threshold is not None:
             m = jax.tree.map(lambda x: jnp.clip(x, -clip_threshold, clip_threshold), m)
         out = jax.tree.map(lambda x: (-learning_rate * x).astype(x.dtype), m)
-        return out, CO2MomentumState(m, pstate)
+        return out, CO2MomentumState(m, pstate, scale)
 
     return optax.GradientTransformation(init, update)
 
