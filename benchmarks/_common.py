@@ -124,3 +124,12 @@ def fmt_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+def check_mesh_args(parser, args):
+    """Rejects a batch the data axis does not divide, or a mesh larger than the devices."""
+    if args.batch % args.data:
+        parser.error(f"--batch must be a multiple of --data, got {args.batch} and {args.data}")
+    if args.replica * args.data > jax.device_count():
+        parser.error(f"replica x data must be <= {jax.device_count()} devices")
+    return args

@@ -95,12 +95,7 @@ def _parse_args():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--algorithm", choices=["all", *C.outer_algorithms()], default="all")
     parser.add_argument("--reps", type=int, default=3)
-    args = parser.parse_args()
-    if args.batch % args.data:
-        parser.error(f"--batch must be a multiple of --data, got {args.batch} and {args.data}")
-    if args.replica * args.data > jax.device_count():
-        parser.error(f"replica x data must be <= {jax.device_count()} devices")
-    return args
+    return C.check_mesh_args(parser, parser.parse_args())
 
 
 if __name__ == "__main__":

@@ -194,12 +194,7 @@ def _parse_args():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--raw", action="store_true", help="print every call's time")
-    args = parser.parse_args()
-    if args.batch % args.data:
-        parser.error(f"--batch must be a multiple of --data, got {args.batch} and {args.data}")
-    if args.replica * args.data > jax.device_count():
-        parser.error(f"replica x data must be <= {jax.device_count()} devices")
-    return args
+    return C.check_mesh_args(parser, parser.parse_args())
 
 
 if __name__ == "__main__":

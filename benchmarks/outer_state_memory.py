@@ -216,12 +216,7 @@ def _parse_args():
     tpu.add_argument(
         "--tpu-algorithms", nargs="+", choices=list(C.outer_algorithms()), default=["co2", "diloco"]
     )
-    args = parser.parse_args()
-    if args.batch % args.data:
-        parser.error(f"--batch must be a multiple of --data, got {args.batch} and {args.data}")
-    if args.replica * args.data > jax.device_count():
-        parser.error(f"replica x data must be <= {jax.device_count()} devices")
-    return args
+    return C.check_mesh_args(parser, parser.parse_args())
 
 
 if __name__ == "__main__":

@@ -169,3 +169,34 @@ def replica_reduced_elements(hlo: str, mesh, op: str = "all-reduce") -> int:
     """Total number of elements that ``op`` instructions reduce over the replica axis."""
     found = co2jax_hlo.over_axis(co2jax_hlo.collectives(hlo), mesh, "replica")
     return sum(c.elements for c in found if c.op == op)
+
+
+def shard_step(tx, mesh):
+    """A jitted shard_map'd optax step on the textbook problem: grads averaged over "data"."""
+    rep = P("replica")
+
+    def body(params, state, d, c):
+        params, state, d, c = jax.tree.map(lambda x: x[0], (params, state, d, c))
+        p = jax.lax.pcast(params, "data", to="varying")
+        grads = jax.lax.pmean(jax.grad(loss_fn)(p, d, c), "data")
+        updates, state = tx.update(grads, state, params)
+        return jax.tree.map(lambda x: x[None], (optax.apply_updates(params, updates), state))
+
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(rep, rep, rep, P("replica", "data")), out_specs=rep
+        )
+    )
+
+
+def shard_step_args(tx, problem: Problem, mesh):
+    """Placed (params, state, d, c) for :func:`shard_step`, every replica at theta0."""
+    rep = P("replica")
+    params = initial_params(problem)
+    state = place(jax.vmap(tx.init)(params), mesh, rep)
+    return (
+        place(params, mesh, rep),
+        state,
+        place(jnp.asarray(problem.d), mesh, rep),
+        place(jnp.asarray(problem.c), mesh, P("replica", "data")),
+    )

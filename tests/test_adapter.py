@@ -10,7 +10,6 @@ import optax
 import pytest
 import textbook as tb
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 from test_algorithms import CASES, IDS
 
 import co2jax
@@ -76,26 +75,8 @@ def test_adapter_under_shard_map_syncs_only_in_the_taken_branch(problem):
     """Under shard_map the sync's collective sits inside the conditional's branch."""
     mesh = harness.make_mesh(replica=4, data=2)
     tx = co2jax.local_updates(optax.sgd(LR), co2jax.diloco(optax.sgd(0.7, momentum=0.9)), H)
-    params = harness.initial_params(problem)
-    state = jax.vmap(tx.init)(params)
-    rep = P("replica")
-    params, state = harness.place(params, mesh, rep), harness.place(state, mesh, rep)
-    d = harness.place(jnp.asarray(problem.d), mesh, rep)
-    c = harness.place(jnp.asarray(problem.c), mesh, P("replica", "data"))
-
-    def body(params, state, d, c):
-        params, state, d, c = jax.tree.map(lambda x: x[0], (params, state, d, c))
-        p = jax.lax.pcast(params, "data", to="varying")
-        grads = jax.lax.pmean(jax.grad(harness.loss_fn)(p, d, c), "data")
-        updates, state = tx.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
-        return jax.tree.map(lambda x: x[None], (params, state))
-
-    step = jax.jit(
-        jax.shard_map(
-            body, mesh=mesh, in_specs=(rep, rep, rep, P("replica", "data")), out_specs=rep
-        )
-    )
+    params, state, d, c = harness.shard_step_args(tx, problem, mesh)
+    step = harness.shard_step(tx, mesh)
     got = []
     for i in range(ROUNDS * H):
         params, state = step(params, state, d, c)
@@ -212,34 +193,12 @@ def test_spread_equals_unspread(case, sync_every, problem):
     np.testing.assert_allclose(runs[0], runs[1], rtol=1e-6, atol=1e-7)
 
 
-def _shard_step(tx, mesh):
-    rep = P("replica")
-
-    def body(params, state, d, c):
-        params, state, d, c = jax.tree.map(lambda x: x[0], (params, state, d, c))
-        p = jax.lax.pcast(params, "data", to="varying")
-        grads = jax.lax.pmean(jax.grad(harness.loss_fn)(p, d, c), "data")
-        updates, state = tx.update(grads, state, params)
-        return jax.tree.map(lambda x: x[None], (optax.apply_updates(params, updates), state))
-
-    return jax.jit(
-        jax.shard_map(
-            body, mesh=mesh, in_specs=(rep, rep, rep, P("replica", "data")), out_specs=rep
-        )
-    )
-
-
 def _run_shard_step(tx, problem, mesh, steps):
-    rep = P("replica")
-    params = harness.initial_params(problem)
-    state = harness.place(jax.vmap(tx.init)(params), mesh, rep)
-    params = harness.place(params, mesh, rep)
-    d = harness.place(jnp.asarray(problem.d), mesh, rep)
-    c = harness.place(jnp.asarray(problem.c), mesh, P("replica", "data"))
-    step = _shard_step(tx, mesh)
+    args = harness.shard_step_args(tx, problem, mesh)
+    step = harness.shard_step(tx, mesh)
     for _ in range(steps):
-        params, state = step(params, state, d, c)
-    return np.asarray(harness.flatten(params)), step, (params, state, d, c)
+        args = (*step(*args), *args[2:])
+    return np.asarray(harness.flatten(args[0])), step, args
 
 
 @pytest.mark.parametrize("kind", ["pmean", "all_gather", "ring"])

@@ -68,23 +68,7 @@ def test_inner_steps_have_no_replica_collective(mesh):
 def test_data_parallel_reduces_every_gradient(mesh):
     problem = tb.make_problem()
     opt = co2jax.data_parallel(optax.sgd(0.1))
-    params = harness.initial_params(problem)
-    rep = P("replica")
-    args = [harness.place(x, mesh, rep) for x in (params, jax.vmap(opt.init)(params))]
-    d = harness.place(jnp.asarray(problem.d), mesh, rep)
-    c = harness.place(jnp.asarray(problem.c), mesh, P("replica", "data"))
-
-    def body(params, state, d, c):
-        params, state, d, c = jax.tree.map(lambda x: x[0], (params, state, d, c))
-        p = jax.lax.pcast(params, "data", to="varying")
-        grads = jax.lax.pmean(jax.grad(harness.loss_fn)(p, d, c), "data")
-        updates, state = opt.update(grads, state, params)
-        return jax.tree.map(lambda x: x[None], (optax.apply_updates(params, updates), state))
-
-    fn = jax.jit(
-        jax.shard_map(
-            body, mesh=mesh, in_specs=(rep, rep, rep, P("replica", "data")), out_specs=rep
-        )
-    )
-    hlo = fn.lower(*args, d, c).compile().as_text()
+    args = harness.shard_step_args(opt, problem, mesh)
+    fn = harness.shard_step(opt, mesh)
+    hlo = fn.lower(*args).compile().as_text()
     assert harness.replica_reduced_elements(hlo, mesh) == DIM
