@@ -144,3 +144,14 @@ def test_cost_model():
     assert compare.simulated_round_s("ddp", 0.1, 10, 1e9 / 8, 2, link) == pytest.approx(11.0)
     slow = dataclasses.replace(link, overlap_slowdown=0.2)
     assert compare.simulated_round_s("co2", 0.1, 10, 1e9 / 8, 2, slow) == pytest.approx(1.2)
+
+
+def test_tensorboard_and_progress(tmp_path, capsys):
+    cfg = _micro(tmp_path, "log.tensorboard=true", "log.progress=true", "outer.algorithm=co2")
+    train.train(cfg)
+    events = list((tmp_path / "micro" / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    record = (tmp_path / "micro" / "metrics.jsonl").read_text().splitlines()[-1]
+    for key in ("penalty_scale", "cosine_to_mean", "inner_lr", "skipped", "collective"):
+        assert key in record
+    assert "micro" in capsys.readouterr().err  # the tqdm bar
