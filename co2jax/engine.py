@@ -374,6 +374,7 @@ class RoundTrainer:
         def consume(c: _Carry, value) -> _Carry:
             reduced, (norm, cosine) = value
             shards, outer_state = outer.apply(self._shard_local(c.params), c.outer_state, reduced)
+            outer_state = self._whole_leaves_data_invariant(outer_state, c.outer_state)
             return c._replace(
                 params=self._unshard(shards, c.params),
                 outer_state=outer_state,
@@ -383,6 +384,20 @@ class RoundTrainer:
 
         at = 0 if outer.staleness else H
         return [Issue(at, "sync", issue), Consume(H, "sync", consume)]
+
+    def _whole_leaves_data_invariant(self, new, old):
+        """Averages over ``data`` a whole (unsharded) outer-state leaf that the update made
+        data-varying: a statistic of this device's shards, such as CO2's ``penalty_scale``."""
+        if not self.shard_outer_state or self.data <= 1:
+            return new
+
+        def leaf(x, ref):
+            varying = jax.typeof(x).manual_axis_type.varying
+            if DATA in varying and DATA not in jax.typeof(ref).manual_axis_type.varying:
+                return jax.lax.pmean(x, DATA)
+            return x
+
+        return jax.tree.map(leaf, new, old)
 
     def _gather_params(self, params, param_shapes):
         """Full parameters for the forward pass: FSDP shards all-gathered over ``data``;
