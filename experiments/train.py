@@ -13,6 +13,7 @@ data position is the round index, so a resumed run sees the same batches).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -95,13 +96,13 @@ def build(cfg: config_lib.Config) -> Run:
     config_lib.validate(cfg, jax.device_count())
     t, i = cfg.train, cfg.inner
     streams = data_lib.make_streams(
-        {k: v for k, v in vars_of(cfg.data).items() if k != "kind"} | {"kind": cfg.data.kind},
+        dataclasses.asdict(cfg.data),
         replicas=cfg.mesh.replica,
         steps_per_round=t.sync_every,
     )
     overrides = {
         k: v
-        for k, v in vars_of(cfg.model).items()
+        for k, v in dataclasses.asdict(cfg.model).items()
         if k in ("d_model", "n_layers", "n_heads", "d_ff") and v is not None
     }
     mcfg = model_lib.preset(
@@ -143,12 +144,6 @@ def build(cfg: config_lib.Config) -> Run:
     )
     eval_batch = jax.device_put(streams.eval_batch(cfg.eval.batch), NamedSharding(mesh, P()))
     return Run(cfg, trainer, streams, graphdef, params, loss_fn, (eval_fn, eval_batch), schedule)
-
-
-def vars_of(section) -> dict:
-    import dataclasses
-
-    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
 
 
 def _clip_fraction(state, threshold: float | None) -> float | None:
@@ -195,7 +190,7 @@ class _Writers:
         self.jsonl.flush()
         if self.tb is not None:
             for key, value in record.items():
-                if isinstance(value, (int, float)) and value is not None and key != "round":
+                if isinstance(value, (int, float)) and key != "round":
                     self.tb.add_scalar(key, value, record["tokens"])
 
     def close(self) -> None:
