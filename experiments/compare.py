@@ -96,8 +96,9 @@ def run_sweep(base: config_lib.Config, out: Path, link: Link, sweep=SWEEP) -> li
     for label, overrides in sweep:
         cfg = config_lib.override(base, [*overrides, f"name={base.name}-{_slug(label)}"])
         began = time.perf_counter()
-        history = train.train(cfg, out_dir=str(out / "runs" / _slug(label))).history
-        rows.append(_summarise(label, cfg, history, link, time.perf_counter() - began))
+        result = train.train(cfg, out_dir=str(out / "runs" / _slug(label)))
+        elapsed = time.perf_counter() - began
+        rows.append(_summarise(label, cfg, result.history, result.entropy_rate, link, elapsed))
         print(f"  {label:<24} eval {rows[-1]['eval_loss']:.4f}  ({rows[-1]['run_s']:.0f}s)")
     return rows
 
@@ -106,9 +107,7 @@ def _slug(label: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in label.lower()).strip("-")
 
 
-def _summarise(label, cfg, history, link, run_s) -> dict:
-    from experiments import data as data_lib
-
+def _summarise(label, cfg, history, entropy, link, run_s) -> dict:
     R, H = cfg.mesh.replica, cfg.train.sync_every
     steady = [r["seconds"] for r in history[1:]] or [history[0]["seconds"]]
     step_s = float(np.median(steady)) / H  # round 1 includes compilation
@@ -117,8 +116,6 @@ def _summarise(label, cfg, history, link, run_s) -> dict:
     reductions = H if cfg.outer.algorithm == "ddp" else 1
     payload = per_round / reductions / (2 * (R - 1) / R) if R > 1 else 0.0
     sim = simulated_round_s(cfg.outer.algorithm, step_s, H, payload, R, link)
-    streams = data_lib.make_streams(dataclasses.asdict(cfg.data), replicas=R, steps_per_round=H)
-    entropy = streams.entropy_rate
     evals = [(r["tokens"], r["eval_loss"]) for r in history if "eval_loss" in r]
     return {
         "label": label,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -150,15 +151,27 @@ def _clip_fraction(state, threshold: float | None) -> float | None:
     """Fraction of CO2 momentum elements at the clip bound."""
     if threshold is None:
         return None
-    import jax
 
     inner = getattr(state.outer_state, "inner_state", state.outer_state)
     momentum = getattr(getattr(inner, "outer_state", None), "momentum", None)
     if momentum is None:
         return None
-    leaves = [np.abs(np.asarray(x)) for x in jax.tree.leaves(jax.device_get(momentum))]
-    at = sum(int((x >= threshold * (1 - 1e-6)).sum()) for x in leaves)
-    return at / max(1, sum(x.size for x in leaves))
+    return float(_at_bound()(momentum, threshold * (1 - 1e-6)))
+
+
+@functools.cache
+def _at_bound():
+    """A jitted fraction of elements with |m| >= bound, computed on device: the momentum is
+    parameter-sized and stays where it is (JAX is imported lazily, after device setup)."""
+    import jax
+    import jax.numpy as jnp
+
+    def fraction(momentum, bound):
+        leaves = jax.tree.leaves(momentum)
+        at = sum(jnp.sum(jnp.abs(x) >= bound) for x in leaves)
+        return at / max(1, sum(x.size for x in leaves))
+
+    return jax.jit(fraction, static_argnums=1)
 
 
 def _penalty_scale(state) -> float | None:
@@ -202,6 +215,7 @@ class _Writers:
 class Result(NamedTuple):
     history: list[dict]  # one record per round run here (also in metrics.jsonl)
     state: Any  # the final co2jax.TrainState
+    entropy_rate: float | None  # the data's entropy floor (nats/token), None for real text
 
 
 def train(
@@ -307,7 +321,7 @@ def train(
             progress.close()
         if manager is not None:
             manager.close()
-    return Result(history, state)
+    return Result(history, state, streams.entropy_rate)
 
 
 def _kept_records(path: Path, start: int) -> list[dict]:
