@@ -200,3 +200,28 @@ def shard_step_args(tx, problem: Problem, mesh):
         place(jnp.asarray(problem.d), mesh, rep),
         place(jnp.asarray(problem.c), mesh, P("replica", "data")),
     )
+
+
+def vmap_step(tx):
+    """A jitted, vmap-simulated optax step of every replica on the textbook problem."""
+
+    def step(params, state, d, c):
+        updates, state = tx.update(jax.grad(loss_fn)(params, d, c), state, params)
+        return optax.apply_updates(params, updates), state
+
+    return jax.jit(jax.vmap(step, axis_name="replica"))
+
+
+def run_vmap_steps(tx, problem: Problem, steps: int, every: int):
+    """``steps`` per-step updates from theta0; the parameters after every ``every``-th step
+    ([steps // every, R, dim]) and the jitted step (to inspect its compilations)."""
+    params = initial_params(problem)
+    state = jax.vmap(tx.init)(params)
+    d, c = jnp.asarray(problem.d), jnp.asarray(problem.c)
+    step = vmap_step(tx)
+    out = []
+    for i in range(steps):
+        params, state = step(params, state, d, c)
+        if (i + 1) % every == 0:
+            out.append(np.asarray(flatten(params)))
+    return np.stack(out), step

@@ -24,21 +24,7 @@ def problem():
 
 
 def _adapter_run(tx, problem, steps):
-    params = harness.initial_params(problem)
-    state = jax.vmap(tx.init)(params)
-    d, c = jnp.asarray(problem.d), jnp.asarray(problem.c)
-
-    def step(params, state, d, c):
-        updates, state = tx.update(jax.grad(harness.loss_fn)(params, d, c), state, params)
-        return optax.apply_updates(params, updates), state
-
-    step = jax.jit(jax.vmap(step, axis_name="replica"))
-    out = []
-    for i in range(steps):
-        params, state = step(params, state, d, c)
-        if (i + 1) % H == 0:
-            out.append(np.asarray(harness.flatten(params)))
-    return np.stack(out), step
+    return harness.run_vmap_steps(tx, problem, steps, every=H)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -172,11 +158,7 @@ def test_spread_equals_unspread(case, sync_every, problem):
         state = jax.vmap(tx.init)(params)
         d, c = jnp.asarray(problem.d), jnp.asarray(problem.c)
 
-        def step(params, state, d, c, tx=tx):
-            updates, state = tx.update(jax.grad(harness.loss_fn)(params, d, c), state, params)
-            return optax.apply_updates(params, updates), state
-
-        step = jax.jit(jax.vmap(step, axis_name="replica"))
+        step = harness.vmap_step(tx)
         for i in range(ROUNDS * sync_every):
             if spread and i == 2 * sync_every:  # the start of round 2: the payload is known
                 payload = jax.vmap(outer.payload)(params, state.outer_state)

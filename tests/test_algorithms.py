@@ -160,22 +160,9 @@ def test_gap_aware_penalty_is_active(problem):
 
 def test_data_parallel_matches_textbook(problem):
     opt = co2jax.data_parallel(optax.sgd(LR))
-    params = harness.initial_params(problem)
-    state = jax.vmap(opt.init)(params)
-    d, c = jnp.asarray(problem.d), jnp.asarray(problem.c)
-
-    def step(params, state, d, c):
-        updates, state = opt.update(jax.grad(harness.loss_fn)(params, d, c), state, params)
-        return optax.apply_updates(params, updates), state
-
-    step = jax.jit(jax.vmap(step, axis_name="replica"))
-    got = []
-    for _ in range(ROUNDS):
-        for _ in range(H):
-            params, state = step(params, state, d, c)
-        got.append(np.asarray(harness.flatten(params)))
+    got, _ = harness.run_vmap_steps(opt, problem, ROUNDS * H, every=H)
     expected = tb.data_parallel_sgd(problem, LR, H, ROUNDS)
-    np.testing.assert_allclose(np.stack(got), expected, **harness.TOL[jnp.dtype(jnp.float32)])
+    np.testing.assert_allclose(got, expected, **harness.TOL[jnp.dtype(jnp.float32)])
 
 
 @pytest.mark.parametrize(
