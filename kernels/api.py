@@ -1,0 +1,288 @@
+"""The fused outer update on pytrees, dispatched to the Pallas kernel or the jnp reference.
+
+``implementation``:
+
+- ``"xla"``: :func:`~co2jax.kernels.reference.outer_update_reference` leaf by leaf; XLA fuses
+  it (on TPU the plain update already reaches the minimum bytes; ``docs/kernels.md``).
+- ``"pallas"``: the kernel compiled for the target backend (Mosaic on TPU, Triton on GPU).
+  Where the kernel raises ``NotImplementedError`` (no lowering for the backend, an unsupported
+  dtype) the reference runs instead, with a warning.
+- ``"interpret"``: the kernel under Pallas' interpreter (any backend; for tests and debugging).
+- ``"auto"``: the kernel where it was measured to move fewer bytes than XLA: on TPU for R >= 2
+  gathered payloads (1.00x the minimum against XLA's 1.19-1.24x, ``docs/kernels.md``); the
+  reference everywhere else (CPU; TPU with a reduced payload, where XLA already reaches the
+  minimum; GPU, not measured yet).
+
+The target backend is :func:`target_backend`'s, else ``jax.default_backend()``: the round
+engine sets it from its mesh, so ahead-of-time compilation for a TPU topology on a CPU host
+traces the TPU path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from co2jax.kernels.layout import Gathered, Layout, make_layout
+from co2jax.kernels.outer_update import _inputs, outer_update_pallas
+from co2jax.kernels.reference import OuterUpdateOut, outer_update_reference
+from co2jax.kernels.spec import LANES, BlockSizes, OuterUpdateSpec, default_block_sizes
+
+IMPLEMENTATIONS = ("auto", "pallas", "interpret", "xla")
+_SUPPORTED = {np.dtype(jnp.float32), np.dtype(jnp.bfloat16)}
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def target_backend(backend: str) -> Iterator[None]:
+    """Traces fused updates for ``backend`` (``"cpu"``, ``"gpu"``, ``"tpu"``) inside the block."""
+    previous = getattr(_state, "backend", None)
+    _state.backend = backend
+    try:
+        yield
+    finally:
+        _state.backend = previous
+
+
+def current_backend() -> str:
+    return getattr(_state, "backend", None) or jax.default_backend()
+
+
+def check_implementation(implementation: Any) -> str:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {IMPLEMENTATIONS}, "
+            f"got implementation={implementation!r}"
+        )
+    return implementation
+
+
+def resolve(implementation: str, replicas: int, backend: str | None = None) -> str:
+    """The implementation ``"auto"`` stands for (others are returned as they are)."""
+    check_implementation(implementation)
+    if implementation != "auto":
+        return implementation
+    backend = backend or current_backend()
+    return "pallas" if backend == "tpu" and replicas >= 2 else "xla"
+
+
+def gather_layout(payload: Any, block_sizes: BlockSizes | None = None) -> Layout:
+    """The bucket layout an all-gather should send ``payload`` in for the fused update."""
+    block_sizes = block_sizes or default_block_sizes(current_backend())
+    return make_layout(payload, block_sizes.block_rows)
+
+
+def outer_update(
+    spec: OuterUpdateSpec,
+    payload: Any,
+    anchor: Any,
+    momentum: Any = None,
+    params: Any = None,
+    old_pending: Any = None,
+    gap_scale: Any = None,
+    *,
+    apply: jax.Array | bool = True,
+    gap_correction: jax.Array | float = 1.0,
+    implementation: str = "auto",
+    block_sizes: BlockSizes | None = None,
+) -> OuterUpdateOut:
+    """One fused outer step on pytrees (see :class:`~co2jax.kernels.spec.OuterUpdateSpec`).
+
+    Args:
+      spec: what to compute.
+      payload: the reduced pseudo-gradient (a pytree shaped like ``anchor``) or the
+        replicas' un-reduced payloads as :class:`~co2jax.kernels.layout.Gathered`.
+      anchor, momentum, params, old_pending, gap_scale: pytrees shaped like the parameters
+        (which ones the spec needs: see ``outer_update_reference``).
+      apply: 0-d bool; False keeps anchor, momentum and gap average.
+      gap_correction: the gap average's bias correction ``1 - gap_decay**n``.
+      implementation: ``"auto"``, ``"pallas"``, ``"interpret"`` or ``"xla"``.
+      block_sizes: the kernel's tiling (default per backend).
+
+    Returns:
+      :class:`~co2jax.kernels.reference.OuterUpdateOut` of pytrees (``penalty_sum`` summed
+      over every leaf).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> spec = OuterUpdateSpec(learning_rate=1.0, momentum=0.5, clip=1.5)
+      >>> tree = {"w": jnp.zeros(3)}
+      >>> out = outer_update(spec, {"w": jnp.full(3, 2.0)}, tree, tree,
+      ...                    implementation="interpret")
+      >>> out.anchor["w"]  # m = clip(2) = 1.5
+      Array([-1.5, -1.5, -1.5], dtype=float32)
+    """
+    replicas = payload.replicas if isinstance(payload, Gathered) else 1
+    impl = resolve(implementation, replicas)
+    trees = dict(
+        anchor=anchor, momentum=momentum, params=params, old_pending=old_pending, gap=gap_scale
+    )
+    _check_trees(spec, payload, trees)
+    if impl == "xla":
+        return _reference(spec, payload, trees, apply, gap_correction)
+    try:
+        return _pallas(spec, payload, trees, apply, gap_correction, impl, block_sizes)
+    except NotImplementedError as e:
+        warnings.warn(f"fused outer update: {e}; using the XLA reference", stacklevel=2)
+        return _reference(spec, payload, trees, apply, gap_correction)
+
+
+def _check_trees(spec, payload, trees):
+    need = {
+        "momentum": spec.momentum is not None,
+        "params": spec.delayed,
+        "old_pending": bool(spec.eager_replicas),
+        "gap": spec.penalty == "gap_aware",
+    }
+    structure = jax.tree.structure(trees["anchor"])
+    for name, needed in need.items():
+        if needed and trees[name] is None:
+            raise ValueError(f"this spec needs {name}, got {name}=None (spec={spec})")
+        if needed and jax.tree.structure(trees[name]) != structure:
+            raise ValueError(
+                f"{name} must have the anchor's tree structure, got {name}={trees[name]}"
+            )
+    if isinstance(payload, Gathered):
+        if payload.layout.treedef != structure:
+            raise ValueError("the gathered payload's layout does not match the anchor's tree")
+    elif jax.tree.structure(payload) != structure:
+        raise ValueError(f"payload must have the anchor's tree structure, got payload={payload}")
+
+
+def _leaves_or_none(tree):
+    return None if tree is None else jax.tree.leaves(tree)
+
+
+def _reference(spec, payload, trees, apply, gap_correction) -> OuterUpdateOut:
+    g = payload.mean() if isinstance(payload, Gathered) else payload
+    structure = jax.tree.structure(trees["anchor"])
+    cols = {k: _leaves_or_none(v) for k, v in trees.items()}
+    outs = []
+    for i, (p, a) in enumerate(zip(jax.tree.leaves(g), cols["anchor"], strict=True)):
+        pick = lambda name, i=i: None if cols[name] is None else cols[name][i]
+        outs.append(
+            outer_update_reference(
+                spec,
+                p[None],
+                a,
+                pick("momentum"),
+                pick("params"),
+                pick("old_pending"),
+                pick("gap"),
+                apply=apply,
+                gap_correction=gap_correction,
+            )
+        )
+    return _assemble(structure, outs)
+
+
+def _assemble(structure, outs: list[OuterUpdateOut]) -> OuterUpdateOut:
+    def tree(field):
+        values = [getattr(o, field) for o in outs]
+        return None if values and values[0] is None else jax.tree.unflatten(structure, values)
+
+    total = sum((o.penalty_sum for o in outs), jnp.zeros([], jnp.float32))
+    return OuterUpdateOut(
+        tree("anchor"), tree("momentum"), tree("pending"), tree("gap_scale"), total
+    )
+
+
+def _row(value) -> jax.Array:
+    return jnp.broadcast_to(jnp.asarray(value, jnp.float32).reshape(1, 1), (1, LANES))
+
+
+def _pallas(spec, payload, trees, apply, gap_correction, impl, block_sizes) -> OuterUpdateOut:
+    backend = current_backend()
+    interpret = impl == "interpret"
+    if not interpret and backend not in ("tpu", "gpu", "cuda", "rocm"):
+        raise NotImplementedError(f"no Pallas lowering of the kernel for backend {backend!r}")
+    anchors = jax.tree.leaves(trees["anchor"])
+    for name, tree in trees.items():
+        for x in _leaves_or_none(tree) or ():
+            if np.dtype(x.dtype) not in _SUPPORTED:
+                raise NotImplementedError(f"{name} has dtype {x.dtype}; the kernel takes f32/bf16")
+    if isinstance(payload, Gathered):
+        layout = payload.layout
+        block_sizes = BlockSizes(layout.block_rows, (block_sizes or BlockSizes()).num_warps)
+        buffer = payload.buffer
+    else:
+        block_sizes = block_sizes or default_block_sizes(backend)
+        signatures = [
+            (str(a.dtype), str(p.dtype))
+            for a, p in zip(anchors, jax.tree.leaves(payload), strict=True)
+        ]
+        layout = make_layout(trees["anchor"], block_sizes.block_rows, signatures)
+        buffer = None
+    cols = {k: _leaves_or_none(v) for k, v in trees.items()}
+    names = {"momentum": "momentum", "params": "params", "old_pending": "old_pending"}
+    names["gap"] = "gap_scale"
+    pieces: dict[str, list] = {k: [] for k in ("anchor", "momentum", "pending", "gap_scale")}
+    total = jnp.zeros([], jnp.float32)
+    for seg in layout.segments:
+        arrays = {"anchor": layout.segment(cols["anchor"], seg), "apply": _row(apply)}
+        for key, name in names.items():
+            if cols[key] is not None and name in _inputs(spec):
+                arrays[name] = layout.segment(cols[key], seg)
+        if spec.penalty == "gap_aware":
+            arrays["gap_correction"] = _row(gap_correction)
+        if buffer is not None:
+            arrays["payloads"] = buffer
+            offset = seg.offset_rows // layout.block_rows
+        else:
+            arrays["payloads"] = layout.segment(jax.tree.leaves(payload), seg)[None]
+            offset = 0
+        out = outer_update_pallas(
+            spec,
+            arrays,
+            valid=seg.valid,
+            payload_block_offset=offset,
+            block_sizes=block_sizes,
+            backend=backend,
+            interpret=interpret,
+        )
+        for key in pieces:
+            if key in out:
+                pieces[key].append(out[key])
+        if "penalty_sum" in out:
+            total = total + jnp.sum(out["penalty_sum"][:, 0, :])
+    if spec.penalty != "gap_aware":
+        scale = spec.penalty_scale if spec.penalty == "constant" else 1.0
+        total = jnp.asarray(scale * layout.elements, jnp.float32)
+
+    def tree(key, like):
+        if not pieces[key]:
+            return None
+        dtypes = [x.dtype for x in jax.tree.leaves(like)]
+        return layout.from_segments(pieces[key], dtypes)
+
+    return OuterUpdateOut(
+        tree("anchor", trees["anchor"]),
+        tree("momentum", trees["momentum"]),
+        tree("pending", trees["anchor"]),
+        tree("gap_scale", trees["gap"]),
+        total,
+    )
+
+
+def minimum_bytes(spec: OuterUpdateSpec, elements: int, replicas: int, dtype, payload_dtype) -> int:
+    """Bytes a perfect fused update moves: every input read once, every output written once."""
+    item = np.dtype(dtype).itemsize
+    reads = replicas * np.dtype(payload_dtype).itemsize + item  # payloads, anchor
+    writes = item
+    if spec.momentum is not None:
+        reads, writes = reads + item, writes + item
+    if spec.delayed:
+        reads, writes = reads + item, writes + item
+    if spec.eager_replicas:
+        reads += item
+    if spec.penalty == "gap_aware":
+        reads, writes = reads + 4, writes + 4
+    return math.prod((elements, reads + writes))

@@ -1,0 +1,175 @@
+"""Pytrees as 128-lane buckets, and the gathered payload that keeps that layout.
+
+A :class:`Layout` splits a pytree's leaves into *segments*, each updated by one kernel call:
+
+- a leaf whose size is a multiple of 128 and spans at least ``DIRECT_MIN_BLOCKS`` blocks is
+  its own *direct* segment: ``leaf.reshape(-1, 128)`` is free (a bitcast), so the kernel
+  updates it in place, and a ragged last block is handled by the grid;
+- every other leaf (biases, norms: small, or not a multiple of 128) goes into one *packed*
+  segment per dtype signature: concatenated and zero-padded (a copy, of small leaves).
+
+In the packed buffer that an all-gather sends (:meth:`Layout.pack`), every segment starts on
+a block boundary, so the kernel reads its slice of the ``[R, rows, 128]`` gathered buffer
+through its index map, without a copy. Padding costs at most one block per direct segment
+(at most ``1 / DIRECT_MIN_BLOCKS`` of it) plus the packed tail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from co2jax.kernels.spec import LANES
+
+DIRECT_MIN_BLOCKS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Leaves updated by one kernel call.
+
+    Attributes:
+      leaves: indices of the leaves (in ``jax.tree.leaves`` order).
+      offset_rows: where the segment starts in the packed buffer (a multiple of the block).
+      rows: rows of the segment's own arrays.
+      region_rows: rows reserved in the packed buffer (``rows`` rounded up to the block).
+      direct: a single leaf reshaped in place (else a concatenation of small leaves).
+      valid: real elements (the rest of ``rows * 128`` is padding).
+    """
+
+    leaves: tuple[int, ...]
+    offset_rows: int
+    rows: int
+    region_rows: int
+    direct: bool
+    valid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where every leaf of a pytree lives in 128-lane buckets (static and hashable)."""
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    segments: tuple[Segment, ...]
+    total_rows: int
+    block_rows: int
+
+    @property
+    def elements(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    def segment(self, tree_or_leaves: Any, seg: Segment, dtype=None) -> jax.Array:
+        """The ``[seg.rows, 128]`` array of ``seg`` from a tree shaped like the layout."""
+        leaves = _leaves(tree_or_leaves)
+        if seg.direct:
+            (i,) = seg.leaves
+            x = leaves[i].reshape(seg.rows, LANES)
+            return x if dtype is None else x.astype(dtype)
+        dtype = dtype or jnp.result_type(*(leaves[i].dtype for i in seg.leaves))
+        flat = jnp.concatenate([leaves[i].astype(dtype).ravel() for i in seg.leaves])
+        return jnp.pad(flat, (0, seg.rows * LANES - seg.valid)).reshape(seg.rows, LANES)
+
+    def pack(self, tree: Any, dtype) -> jax.Array:
+        """Every leaf in one ``[total_rows, 128]`` buffer of ``dtype``, segments block-aligned."""
+        parts = []
+        for seg in self.segments:
+            x = self.segment(tree, seg, dtype).reshape(-1)
+            parts.append(jnp.pad(x, (0, (seg.region_rows - seg.rows) * LANES)))
+        return jnp.concatenate(parts).reshape(self.total_rows, LANES)
+
+    def unpack(self, buffer: jax.Array, dtypes=None) -> Any:
+        """The inverse of :meth:`pack` (leaf dtypes from the layout unless given)."""
+        pieces = [
+            buffer[s.offset_rows : s.offset_rows + s.rows].astype(jnp.float32)
+            for s in self.segments
+        ]
+        return self.from_segments(pieces, self.dtypes if dtypes is None else dtypes)
+
+    def from_segments(self, pieces: list[jax.Array], dtypes=None) -> Any:
+        """A tree from one ``[rows, 128]`` array per segment."""
+        leaves: list[Any] = [None] * len(self.shapes)
+        for seg, x in zip(self.segments, pieces, strict=True):
+            flat = x.reshape(-1)
+            offset = 0
+            for i in seg.leaves:
+                n = math.prod(self.shapes[i])
+                leaf = flat[offset : offset + n].reshape(self.shapes[i])
+                leaves[i] = leaf if dtypes is None else leaf.astype(dtypes[i])
+                offset += n
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _leaves(tree_or_leaves):
+    return tree_or_leaves if isinstance(tree_or_leaves, list) else jax.tree.leaves(tree_or_leaves)
+
+
+def make_layout(tree: Any, block_rows: int, signatures: Any = None) -> Layout:
+    """The layout of ``tree`` (arrays or ShapeDtypeStructs) for blocks of ``block_rows`` rows.
+
+    ``signatures`` (a tree of hashables, default the leaf dtypes) says which small leaves may
+    share a packed segment: only leaves whose every buffer has the same dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> lay = make_layout({"b": jnp.zeros(3), "w": jnp.zeros((16, 128))}, block_rows=2)
+      >>> [(s.leaves, s.direct, s.rows, s.offset_rows) for s in lay.segments]
+      [((1,), True, 16, 0), ((0,), False, 1, 16)]
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    sig = jax.tree.leaves(signatures) if signatures is not None else [x.dtype for x in leaves]
+    shapes = tuple(tuple(x.shape) for x in leaves)
+    segments, offset = [], 0
+    packed: dict[Any, list[int]] = {}
+    for i, shape in enumerate(shapes):
+        n = math.prod(shape)
+        if n % LANES == 0 and n >= DIRECT_MIN_BLOCKS * block_rows * LANES:
+            rows = n // LANES
+            region = -(-rows // block_rows) * block_rows
+            segments.append(Segment((i,), offset, rows, region, True, n))
+            offset += region
+        elif n:
+            packed.setdefault(str(sig[i]), []).append(i)
+    for group in packed.values():
+        n = sum(math.prod(shapes[i]) for i in group)
+        rows = -(-n // LANES)
+        region = -(-rows // block_rows) * block_rows
+        segments.append(Segment(tuple(group), offset, rows, region, False, n))
+        offset += region
+    dtypes = tuple(str(np.dtype(x.dtype)) for x in leaves)
+    return Layout(treedef, shapes, dtypes, tuple(segments), offset, block_rows)
+
+
+@jax.tree_util.register_pytree_node_class
+class Gathered:
+    """The replicas' payloads, all-gathered and not yet reduced: ``buffer`` is
+    ``[R, layout.total_rows, 128]`` in the layout of :meth:`Layout.pack`.
+
+    A fused outer update reads the R payloads straight from ``buffer`` and averages them in
+    its own pass; :meth:`mean` gives the averaged pytree for everything else.
+    """
+
+    def __init__(self, buffer: jax.Array, layout: Layout):
+        self.buffer = buffer
+        self.layout = layout
+
+    def tree_flatten(self):
+        return (self.buffer,), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(children[0], layout)
+
+    @property
+    def replicas(self) -> int:
+        return self.buffer.shape[-3]
+
+    def mean(self) -> Any:
+        """The float32 mean over replicas, as a pytree in the payload's dtypes."""
+        return self.layout.unpack(jnp.mean(self.buffer.astype(jnp.float32), axis=-3))
