@@ -6,7 +6,7 @@ axis_name="replica")`` and under ``jax.shard_map`` on a device mesh. :func:`loca
 turns one into an optax transform for ordinary per-step training loops.
 """
 
-from co2jax import distributed, hlo, overlap, penalties, reducers
+from co2jax import distributed, hlo, kernels, overlap, penalties, reducers
 from co2jax._base import REPLICA_AXIS, OuterOptimizer, Reducer, replica_mean
 from co2jax.adapter import LocalUpdatesState, local_updates
 from co2jax.algorithms import (
@@ -20,6 +20,7 @@ from co2jax.algorithms import (
     eager_diloco,
     local_sgd,
     no_sync,
+    outer_sgd,
     pseudo_gradient_method,
     slowmo,
 )
@@ -51,10 +52,12 @@ __all__ = [
     "diloco",
     "eager_diloco",
     "hlo",
+    "kernels",
     "local_sgd",
     "local_updates",
     "make_mesh",
     "no_sync",
+    "outer_sgd",
     "overlap",
     "penalties",
     "pseudo_gradient_method",

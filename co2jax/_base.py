@@ -61,6 +61,9 @@ class OuterOptimizer(NamedTuple):
       replica_local: True when the anchor and outer state differ between replicas (eager
         updates), so a driver must keep them replica-varying; False when they are
         replica-invariant and may be stored once per replica group.
+      accepts_gathered: True when ``apply`` also takes the replicas' payloads un-reduced, as
+        :class:`co2jax.kernels.Gathered` (an all-gather that the fused outer update averages
+        in its own pass); a driver may then skip the separate mean.
     """
 
     init: Callable[[Params], State]
@@ -70,6 +73,7 @@ class OuterOptimizer(NamedTuple):
     apply: Callable[[Params, State, Payload], tuple[Params, State]]
     staleness: int = 0
     replica_local: bool = False
+    accepts_gathered: bool = False
 
 
 def make_outer_optimizer(
@@ -79,13 +83,16 @@ def make_outer_optimizer(
     reduce: Reducer,
     staleness: int = 0,
     replica_local: bool = False,
+    accepts_gathered: bool = False,
 ) -> OuterOptimizer:
     """Builds an :class:`OuterOptimizer` whose ``sync`` is ``apply . reduce . payload``."""
 
     def sync(params: Params, state: State) -> tuple[Params, State]:
         return apply(params, state, reduce(payload(params, state)))
 
-    return OuterOptimizer(init, sync, payload, reduce, apply, staleness, replica_local)
+    return OuterOptimizer(
+        init, sync, payload, reduce, apply, staleness, replica_local, accepts_gathered
+    )
 
 
 def check_axis(axis_name: str) -> int:

@@ -50,6 +50,8 @@ from jax.sharding import PartitionSpec as P
 
 from co2jax import reducers as _reducers
 from co2jax._base import OuterOptimizer, check_int, check_transform
+from co2jax.kernels.api import target_backend
+from co2jax.kernels.layout import Gathered
 from co2jax.mesh import DATA, REPLICA
 from co2jax.segments import Consume, Issue, scan_segments
 
@@ -150,6 +152,9 @@ class RoundTrainer:
         the shards in place. Implies ``shard_outer_state``; needs an element-wise inner
         optimizer (AdamW, SGD, ...).
       donate: donate the input state's buffers to the round's output.
+      check_vma: ``shard_map``'s varying-axis type check. Leave it on, except for an outer
+        optimizer built with ``implementation="interpret"``: Pallas' interpreter is not typed
+        for it (compiled kernels are).
     """
 
     def __init__(
@@ -164,6 +169,7 @@ class RoundTrainer:
         shard_outer_state: bool = False,
         fsdp: bool = False,
         donate: bool = True,
+        check_vma: bool = True,
     ):
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got loss_fn={loss_fn!r}")
@@ -187,6 +193,7 @@ class RoundTrainer:
         self.fsdp = bool(fsdp)
         self.shard_outer_state = bool(shard_outer_state) or self.fsdp
         self._donate = donate
+        self._check_vma = bool(check_vma)
         self._compiled: dict = {}
 
     # ------------------------------------------------------------------------------------
@@ -352,6 +359,10 @@ class RoundTrainer:
             elements = sum(x.size for x in jax.tree.leaves(payload_shapes))
             kind = auto_reducer(self.platform, self.replicas, self.outer.staleness, elements)
         reduce = self.outer.reduce if kind == "outer" else _reducers.make(kind, REPLICA)
+        if kind == "all_gather" and self.outer.accepts_gathered:
+            # the R payloads go to the outer update un-reduced: a fused update averages them
+            # in its own pass (co2jax.kernels)
+            reduce = _reducers.all_gather_stacked(REPLICA)
         return kind, reduce
 
     def round_events(self, payload_shapes, reduce=None) -> list[Issue | Consume]:
@@ -368,8 +379,9 @@ class RoundTrainer:
         def issue(c: _Carry):
             payload = outer.payload(self._shard_local(c.params), c.outer_state)
             reduced = reduce(payload)
+            mean = reduced.mean() if isinstance(reduced, Gathered) else reduced
             # statistics of the reduced value are only needed when it is consumed
-            return reduced, self._payload_stats(payload, reduced, payload_shapes)
+            return reduced, self._payload_stats(payload, mean, payload_shapes)
 
         def consume(c: _Carry, value) -> _Carry:
             reduced, (norm, cosine) = value
@@ -481,6 +493,7 @@ class RoundTrainer:
             mesh=self.mesh,
             in_specs=(*specs, batch_spec),
             out_specs=(*specs, metric_spec),
+            check_vma=self._check_vma,
         )
         return jax.jit(
             lambda s, b: (lambda *o: (TrainState(*o[:4]), o[4]))(*fn(*s, b)),
@@ -496,7 +509,8 @@ class RoundTrainer:
     def round(self, state: TrainState, batch: Any) -> tuple[TrainState, RoundMetrics]:
         """One round: H inner steps per replica on ``batch`` ([R, H, B, ...]), then the sync."""
         self.check_batch(state, batch)
-        return self._get(state)(state, self.place_batch(batch))
+        with target_backend(self.platform):  # fused updates are traced for the mesh's platform
+            return self._get(state)(state, self.place_batch(batch))
 
     def place_batch(self, batch: Any) -> Any:
         """Puts ``batch`` ([R, H, B, ...] leaves) on the mesh: replica and data sharded."""
@@ -506,4 +520,5 @@ class RoundTrainer:
     def lower(self, state: TrainState, batch: Any):
         """``jax.stages.Lowered`` of the round (concrete or ``ShapeDtypeStruct`` arguments)."""
         self.check_batch(state, batch)
-        return self._get(state).lower(state, batch)
+        with target_backend(self.platform):
+            return self._get(state).lower(state, batch)

@@ -34,12 +34,14 @@ class Penalty(NamedTuple):
     ``update(anchor, previous_anchor, stale_delta, state) -> (multiplier, state)``.
 
     ``kind`` names the family (``"constant"``, ``"gap_aware"``, ``"custom"``); CO2's
-    ``reference_code`` mode accepts only ``"constant"``.
+    ``reference_code`` mode accepts only ``"constant"``. ``options`` records the family's
+    hyper-parameters as ``(name, value)`` pairs, so the fused outer update can run it.
     """
 
     init: Callable[[Any], Any]
     update: Callable[[Any, Any, Any, Any], tuple[Any, Any]]
     kind: str = "custom"
+    options: tuple[tuple[str, float], ...] = ()
 
 
 class EmptyPenaltyState(NamedTuple):
@@ -77,7 +79,7 @@ def constant(lam: float = 1.0) -> Penalty:
     """
     lam = check_positive("lam", lam)
     penalty = stateless(lambda anchor, previous_anchor, stale_delta: 1.0 / lam)
-    return penalty._replace(kind="constant")
+    return penalty._replace(kind="constant", options=(("lam", lam),))
 
 
 class GapAwareState(NamedTuple):
@@ -149,7 +151,7 @@ def gap_aware(decay: float = 0.9, eps: float = 1e-12) -> Penalty:
         scale = jax.tree.map(lambda c, g: decay * c + (1.0 - decay) * g, state.scale, gap)
         return lam, GapAwareState(scale, state.count + 1)
 
-    return Penalty(init, update, "gap_aware")
+    return Penalty(init, update, "gap_aware", (("decay", decay), ("eps", eps)))
 
 
 def as_penalty(penalty: Penalty | Callable | None) -> Penalty | None:

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from co2jax._base import REPLICA_AXIS, Payload, Reducer, check_axis, check_axis_name, replica_mean
+from co2jax.kernels.api import gather_layout
+from co2jax.kernels.layout import Gathered
 
 KINDS = ("pmean", "all_gather", "ring")
 
@@ -66,6 +68,35 @@ def all_gather_mean(axis_name: str = REPLICA_AXIS) -> Reducer:
             return payload
         flat, unflatten = _flatten(payload)
         return unflatten(jnp.mean(jax.lax.all_gather(flat, axis_name), axis=0))
+
+    return reduce
+
+
+def all_gather_stacked(axis_name: str = REPLICA_AXIS, block_sizes=None) -> Reducer:
+    """All-gather every replica's payload, left un-reduced for a fused outer update.
+
+    The payload is packed in the fused kernel's bucket layout (:mod:`co2jax.kernels.layout`)
+    in its own dtype (float32 when the leaves' dtypes differ), gathered as one buffer, and
+    returned as :class:`co2jax.kernels.Gathered`: an ``apply`` that accepts it
+    (``OuterOptimizer.accepts_gathered``) averages the R payloads inside its update pass
+    instead of in a fusion of their own.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> reduce = all_gather_stacked("replica")
+      >>> jax.vmap(lambda x: reduce(x).buffer.shape[0], axis_name="replica")(jnp.ones(3))[0]
+      Array(3, dtype=int32, weak_type=True)
+      >>> jax.vmap(lambda x: reduce(x).mean(), axis_name="replica")(jnp.array([1.0, 2.0, 6.0]))
+      Array([3., 3., 3.], dtype=float32)
+    """
+    check_axis_name("axis_name", axis_name)
+
+    def reduce(payload: Payload) -> Gathered:
+        check_axis(axis_name)
+        layout = gather_layout(payload, block_sizes)
+        dtype = jnp.result_type(*(x.dtype for x in jax.tree.leaves(payload)))
+        buffer = jax.lax.all_gather(layout.pack(payload, dtype), axis_name)
+        return Gathered(buffer, layout)
 
     return reduce
 

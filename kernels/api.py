@@ -272,6 +272,44 @@ def _pallas(spec, payload, trees, apply, gap_correction, impl, block_sizes) -> O
     )
 
 
+def state_names(spec: OuterUpdateSpec) -> list[str]:
+    """The state buffers ``spec`` reads, named as :func:`outer_update`'s arguments."""
+    from co2jax.kernels.outer_update import _inputs
+
+    return [x for x in _inputs(spec) if x not in ("payloads", "apply", "gap_correction")]
+
+
+def gathered_step(spec: OuterUpdateSpec, layout: Layout, implementation: str = "auto"):
+    """``step(buffer, state) -> state``: the fused update of a ``[R, rows, 128]`` gathered
+    buffer and a dict of state pytrees (keys from :func:`state_names`), returning the state in
+    the same structure, ready for ``jax.jit(step, donate_argnums=1)``."""
+
+    def step(buffer: jax.Array, state: dict) -> dict:
+        out = outer_update(
+            spec,
+            Gathered(buffer, layout),
+            state["anchor"],
+            state.get("momentum"),
+            state.get("params"),
+            state.get("old_pending"),
+            state.get("gap_scale"),
+            implementation=implementation,
+        )
+        return as_state(state, out)
+
+    return step
+
+
+def as_state(state: dict, out: OuterUpdateOut) -> dict:
+    """``out`` in the structure of ``state`` (keys named as :func:`outer_update`'s arguments):
+    each output in the place of the input it replaces, the new pending over ``old_pending``
+    (eager) or ``params``. Returning this from a jitted update with ``state`` donated lets
+    XLA pair every output with its own input buffer."""
+    new = {"anchor": out.anchor, "momentum": out.momentum, "gap_scale": out.gap_scale}
+    new["old_pending" if "old_pending" in state else "params"] = out.pending
+    return {k: new.get(k) for k in state}
+
+
 def minimum_bytes(spec: OuterUpdateSpec, elements: int, replicas: int, dtype, payload_dtype) -> int:
     """Bytes a perfect fused update moves: every input read once, every output written once."""
     item = np.dtype(dtype).itemsize

@@ -6,7 +6,7 @@ For each size N (1e6 .. 1e9 parameters), replica count R (1, 2, 4, 8), payload d
 algorithm, it compiles (ahead of time, from shapes only: nothing is allocated)
 
 - ``xla``: the gathered payloads averaged, then the update, in jnp (what XLA fuses itself);
-- ``fused``: the Pallas kernel (TPU: Mosaic, compiled for a v5e topology through libtpu;
+- ``fused``: the Pallas kernel (TPU: Mosaic, compiled for a v5p chip through libtpu;
   CPU: no Pallas lowering exists, so the column reports the kernel's block pipeline, which
   is the same figure the TPU cost analysis carries);
 
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from co2jax.kernels import api
-from co2jax.kernels.layout import Gathered, make_layout
+from co2jax.kernels.layout import make_layout
 from co2jax.kernels.outer_update import _inputs
 from co2jax.kernels.spec import LANES, OuterUpdateSpec, default_block_sizes
 
@@ -62,21 +62,8 @@ def _program(spec, n, replicas, dtype, payload_dtype, backend, implementation, s
         (replicas, layout.total_rows, LANES), jnp.dtype(payload_dtype), sharding=sharding
     )
     gap = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=sharding)
-    names = [x for x in _inputs(spec) if x not in ("payloads", "apply", "gap_correction")]
-    shapes = {x: {"w": gap if x == "gap_scale" else leaf} for x in names}
-
-    def update(buffer, state):
-        out = api.outer_update(
-            spec,
-            Gathered(buffer, layout),
-            state["anchor"],
-            state.get("momentum"),
-            state.get("params"),
-            state.get("old_pending"),
-            state.get("gap_scale"),
-            implementation=implementation,
-        )
-        return out._replace(penalty_sum=None)
+    shapes = {x: {"w": gap if x == "gap_scale" else leaf} for x in api.state_names(spec)}
+    update = api.gathered_step(spec, layout, implementation)
 
     with api.target_backend(backend):
         lowered = jax.jit(update, donate_argnums=(1,)).lower(buffer, shapes)
@@ -99,15 +86,15 @@ def pipeline_bytes(spec, n, replicas, dtype, payload_dtype, backend) -> int:
     return moved
 
 
-def tpu_sharding():
-    """A single-device sharding of a v5e TPU topology (ahead-of-time compilation)."""
+def tpu_sharding(topology: str):
+    """A single-device sharding of a TPU topology (ahead-of-time compilation)."""
     if importlib.util.find_spec("libtpu") is None:
         return None
     from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 
     try:
-        topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
+        topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
     except Exception:
         return None
     return SingleDeviceSharding(topo.devices[0])
@@ -130,28 +117,15 @@ def gpu_rates(spec, n, replicas, dtype, payload_dtype, repeats):
     block = default_block_sizes("gpu")
     layout = make_layout({"w": jax.ShapeDtypeStruct((n,), dtype)}, block.block_rows)
     buffer = jax.random.normal(key, (replicas, layout.total_rows, LANES), payload_dtype)
-    names = [x for x in _inputs(spec) if x not in ("payloads", "apply", "gap_correction")]
     minimum = api.minimum_bytes(spec, n, replicas, dtype, payload_dtype)
     rates = {}
     for impl in ("xla", "pallas"):
-
-        def run(buffer, state, impl=impl):
-            out = api.outer_update(
-                spec,
-                Gathered(buffer, layout),
-                state["anchor"],
-                state.get("momentum"),
-                state.get("params"),
-                state.get("old_pending"),
-                state.get("gap_scale"),
-                implementation=impl,
-            )
-            return out._replace(penalty_sum=None)
-
         state = {
-            x: {"w": jnp.zeros((n,), jnp.float32 if x == "gap_scale" else dtype)} for x in names
+            x: {"w": jnp.zeros((n,), jnp.float32 if x == "gap_scale" else dtype)}
+            for x in api.state_names(spec)
         }
-        rates[impl] = minimum / _time(jax.jit(run), (buffer, state), repeats) / 1e9
+        step = jax.jit(api.gathered_step(spec, layout, impl))
+        rates[impl] = minimum / _time(step, (buffer, state), repeats) / 1e9
     half = minimum // 2 // 4
     src = jnp.zeros((half,), jnp.float32)
     rates["copy"] = 2 * half * 4 / _time(jax.jit(lambda x: x + 0), (src,), repeats) / 1e9
@@ -163,13 +137,18 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="sizes 1e6 and 1e7 only")
     parser.add_argument("--repeats", type=int, default=50, help="timed runs per GPU figure")
     parser.add_argument("--specs", default="co2,diloco", help=f"comma list of {sorted(SPECS)}")
+    parser.add_argument(
+        "--topology",
+        default="v5p:1x1x1",
+        help="TPU topology for AOT compilation (v5p: 95 GiB of HBM holds 1e9 parameters)",
+    )
     args = parser.parse_args(argv)
     sizes = [10**6, 10**7] if args.quick else [10**6, 10**7, 10**8, 10**9]
     sizes = [-(-n // 65536) * 65536 for n in sizes]  # whole TPU blocks
-    tpu = tpu_sharding()
+    tpu = tpu_sharding(args.topology)
     gpu = jax.default_backend() == "gpu"
-    print(f"backend {jax.default_backend()}; TPU AOT {'v5e' if tpu else 'unavailable'}")
-    header = "| update | N | R | payload | CPU xla | CPU fused | TPU xla | TPU fused |"
+    print(f"backend {jax.default_backend()}; TPU AOT {args.topology if tpu else 'unavailable'}")
+    header = "| update | N | R | payload | CPU xla | CPU fused (blocks) | TPU xla | TPU fused |"
     if gpu:
         header += " GPU xla GB/s | GPU fused GB/s | copy GB/s |"
     print(header)
@@ -187,7 +166,12 @@ def main(argv=None):
                     if tpu is not None:
                         for impl in ("xla", "pallas"):
                             low = _program(spec, n, r, dtype, payload_dtype, "tpu", impl, tpu)
-                            cols.append(f"{_bytes(low.compile()) / minimum:.2f}")
+                            try:
+                                cols.append(f"{_bytes(low.compile()) / minimum:.2f}")
+                            except jax.errors.JaxRuntimeError as e:  # does not fit in HBM
+                                cols.append(
+                                    "HBM OOM" if "RESOURCE_EXHAUSTED" in str(e) else "error"
+                                )
                     else:
                         cols += ["n/a", "n/a"]
                     if gpu and n <= 10**8 * 4:

@@ -5,7 +5,8 @@ the anchor, the momentum, the local params, the eager correction's old payload, 
 average), computes :class:`~co2jax.kernels.spec.OuterUpdateSpec`'s step in float32 registers
 and stores one block of each output. Outputs alias their inputs (``input_output_aliases``):
 the anchor, momentum and gap average are updated in place and the new pending payload
-overwrites the local params, so with donated buffers the kernel allocates nothing.
+overwrites the old one (eager) or the local params (delayed), so with donated buffers the kernel
+allocates nothing.
 
 Lowerings: Mosaic on TPU (blocks are whole (8, 128) tiles; the grid axis is "parallel" so both
 TensorCores of a megacore chip share it), Triton on GPU, and Pallas' interpreter anywhere
@@ -51,8 +52,15 @@ def _outputs(spec: OuterUpdateSpec) -> tuple[str, ...]:
     return tuple(names)
 
 
-# each output overwrites the input it replaces
+# each output overwrites the input it replaces; the new pending payload takes the old one's
+# buffer (eager) or the local params' (which the new anchor replaces)
 _ALIAS = {"anchor": "anchor", "momentum": "momentum", "pending": "params", "gap_scale": "gap_scale"}
+
+
+def _alias_source(spec: OuterUpdateSpec, output: str) -> str | None:
+    if output == "pending" and spec.eager_replicas:
+        return "old_pending"
+    return _ALIAS.get(output)
 
 
 def _outer_update_kernel(*refs, spec: OuterUpdateSpec, replicas: int, block_rows: int, valid: int):
@@ -184,15 +192,17 @@ def outer_update_pallas(
             out_specs.append(row_block)
     aliases = {}
     for j, name in enumerate(outs):
-        source = _ALIAS.get(name)
+        source = _alias_source(spec, name)
         if alias and source in ins and arrays[source].dtype == shapes[j].dtype:
             aliases[ins.index(source)] = j
-    # what the pipeline moves: every block of every operand once (the scalar rows once)
+    # What the pipeline moves: every block of every operand once (edge blocks are clipped to
+    # the array; the payload region is whole blocks; the scalar rows once). A Mosaic kernel is
+    # opaque to XLA's cost analysis, which reports this estimate for it.
     moved = sum(
-        blocks * br * LANES * arrays[n].dtype.itemsize * (replicas if n == "payloads" else 1)
+        (replicas * blocks * br if n == "payloads" else rows) * LANES * arrays[n].dtype.itemsize
         for n in ins
         if n not in ("apply", "gap_correction")
-    ) + sum(blocks * br * LANES * s.dtype.itemsize for s in shapes if s.shape[0] == rows)
+    ) + sum(rows * LANES * s.dtype.itemsize for s in shapes if s.shape[0] == rows)
     cost = pl.CostEstimate(
         flops=blocks * br * LANES * (replicas + 12), transcendentals=0, bytes_accessed=moved
     )

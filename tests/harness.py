@@ -101,7 +101,7 @@ def _unsqueeze(tree):
     return jax.tree.map(lambda x: x[None], tree)
 
 
-def shard_round(outer, inner, mesh, H):
+def shard_round(outer, inner, mesh, H, check_vma=True):
     """A jitted shard_map'd round: H inner steps (grads averaged over "data"), then the sync.
 
     Per-replica state carries a leading replica axis sharded over "replica" (STYLE.md: params
@@ -129,6 +129,7 @@ def shard_round(outer, inner, mesh, H):
             mesh=mesh,
             in_specs=(rep, rep, rep, rep, P("replica", "data")),
             out_specs=(rep, rep, rep),
+            check_vma=check_vma,
         )
     )
 
@@ -137,7 +138,7 @@ def place(tree, mesh, spec):
     return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec)), tree)
 
 
-def run_shard_map(outer, problem, lr, H, rounds, mesh, dtype=jnp.float32):
+def run_shard_map(outer, problem, lr, H, rounds, mesh, dtype=jnp.float32, check_vma=True):
     inner = optax.sgd(lr)
     params = initial_params(problem, dtype)
     state = jax.vmap(outer.init)(params)
@@ -146,7 +147,7 @@ def run_shard_map(outer, problem, lr, H, rounds, mesh, dtype=jnp.float32):
     params, state, inner_state = (place(x, mesh, rep) for x in (params, state, inner_state))
     d = place(jnp.asarray(problem.d, dtype), mesh, rep)
     c = place(jnp.asarray(problem.c, dtype), mesh, P("replica", "data"))
-    round_fn = shard_round(outer, inner, mesh, H)
+    round_fn = shard_round(outer, inner, mesh, H, check_vma)
     out = []
     for _ in range(rounds):
         params, inner_state, state = round_fn(params, inner_state, state, d, c)

@@ -258,3 +258,40 @@ def test_fsdp_round_keeps_the_replica_axis_out_of_the_loop(problem, mesh):
     # FSDP leaves: all-gather the parameters, reduce-scatter the gradients; whole leaves and
     # the loss: all-reduce
     assert {"all-gather", "reduce-scatter", "all-reduce"} <= data_ops, data_ops
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused outer update on the engine's path
+
+
+FUSED_ENGINE = {
+    "co2_gap_aware": lambda impl: co2jax.co2(
+        0.8, 0.5, clip_threshold=0.1, penalty=co2jax.penalties.gap_aware(0.9), implementation=impl
+    ),
+    "eager_diloco": lambda impl: co2jax.eager_diloco(
+        co2jax.outer_sgd(0.7, 0.9, nesterov=True), implementation=impl
+    ),
+}
+
+
+@pytest.mark.parametrize("shard_outer_state", [False, True], ids=["whole", "sharded"])
+@pytest.mark.parametrize("name", list(FUSED_ENGINE))
+def test_gathered_payloads_reach_the_kernel(name, shard_outer_state, problem, mesh):
+    """reducer="all_gather": the R payloads go un-reduced into the fused kernel (Pallas'
+    interpreter), which averages them in its own pass; same trajectory and metrics as the
+    all-reduce followed by the jnp update."""
+    kw = dict(shard_outer_state=shard_outer_state)
+    want, _, want_m, _ = run_engine(FUSED_ENGINE[name]("xla"), problem, mesh, reducer="pmean", **kw)
+    got, state, got_m, trainer = run_engine(
+        FUSED_ENGINE[name]("interpret"), problem, mesh, reducer="all_gather", check_vma=False, **kw
+    )
+    np.testing.assert_allclose(got, want, **TOL)
+    for a, b in zip(got_m, want_m, strict=True):
+        np.testing.assert_allclose(a.cosine_to_mean, b.cosine_to_mean, rtol=1e-5)
+        np.testing.assert_allclose(a.pseudo_gradient_norm, b.pseudo_gradient_norm, rtol=1e-5)
+    batch = trainer.place_batch(textbook_batch(problem))
+    jaxpr = str(jax.make_jaxpr(trainer._get(state))(state, batch))
+    assert "co2jax_outer_update" in jaxpr  # the kernel is on the round's path
+    text = trainer.lower(state, batch).compile().as_text()
+    found = co2jax.hlo.over_axis(co2jax.hlo.collectives(text), mesh, "replica")
+    assert {c.op for c in found} == {"all-gather"}, found  # no separate all-reduce mean

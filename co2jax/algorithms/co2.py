@@ -18,7 +18,9 @@ from co2jax._base import (
     check_positive,
     check_unit_interval,
 )
+from co2jax.algorithms.fused import Fusable, FusableTransformation
 from co2jax.algorithms.pseudo_gradient import pseudo_gradient_method
+from co2jax.kernels.spec import OuterUpdateSpec
 
 MODES = ("paper", "reference_code")
 
@@ -67,6 +69,9 @@ def scale_by_co2_momentum(
 
     ``m <- clip(beta*m + Lambda*g, -phi, phi)``; the update is ``-alpha*m``. The previous
     anchor handed to the penalty is ``theta^(t) + alpha*m_(t-1)``: the last update undone.
+
+    With no penalty, a constant or the gap-aware one, the result also describes itself to the
+    fused outer update (:class:`~co2jax.algorithms.fused.FusableTransformation`).
     """
 
     def init(params):
@@ -92,7 +97,37 @@ def scale_by_co2_momentum(
         out = jax.tree.map(lambda x: (-learning_rate * x).astype(x.dtype), m)
         return out, CO2MomentumState(m, pstate, scale)
 
-    return optax.GradientTransformation(init, update)
+    kind = "none" if penalty is None else penalty.kind
+    if kind not in ("none", "constant", "gap_aware"):
+        return optax.GradientTransformation(init, update)
+    options = dict(penalty.options) if penalty is not None else {}
+    spec = OuterUpdateSpec(
+        learning_rate,
+        momentum,
+        clip=clip_threshold,
+        penalty=kind,
+        penalty_scale=1.0 / options["lam"] if kind == "constant" else 1.0,
+        gap_decay=options.get("decay", 0.9),
+        gap_eps=options.get("eps", 1e-12),
+    )
+    gap_aware = kind == "gap_aware"
+
+    def split(state):
+        pstate = state.penalty_state
+        return (
+            state.momentum,
+            (pstate.scale if gap_aware else None),
+            (pstate.count if gap_aware else None),
+        )
+
+    def merge(state, m, gap, penalty_mean, applied):
+        pstate = state.penalty_state
+        if gap_aware:
+            pstate = _penalties.GapAwareState(gap, pstate.count + applied.astype(jnp.int32))
+        scale = jnp.where(applied, penalty_mean, state.penalty_scale)
+        return CO2MomentumState(m, pstate, scale)
+
+    return FusableTransformation(init, update, Fusable(spec, split, merge))
 
 
 def co2(
@@ -104,6 +139,7 @@ def co2(
     *,
     axis_name: str = REPLICA_AXIS,
     reduce: Reducer | None = None,
+    implementation: str = "auto",
 ) -> OuterOptimizer:
     """CO2: the outer update uses the previous round's averaged pseudo-gradient.
 
@@ -136,6 +172,9 @@ def co2(
       mode: ``"paper"`` or ``"reference_code"``.
       axis_name: the replica axis.
       reduce: the cross-replica reduction (default: mean over ``axis_name``).
+      implementation: the fused outer update's (``"auto"``, ``"pallas"``, ``"interpret"``,
+        ``"xla"``; :mod:`co2jax.kernels.api`). A custom callable penalty is not fusable and
+        runs as plain jnp whatever this says.
 
     Returns:
       An :class:`~co2jax.OuterOptimizer` with
@@ -183,4 +222,6 @@ def co2(
             clip_threshold = None
     outer = scale_by_co2_momentum(alpha, beta, clip_threshold, penalty)
     delay = 1 if mode == "paper" else 0
-    return pseudo_gradient_method(outer, delay=delay, axis_name=axis_name, reduce=reduce)
+    return pseudo_gradient_method(
+        outer, delay=delay, axis_name=axis_name, reduce=reduce, implementation=implementation
+    )

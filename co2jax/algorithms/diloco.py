@@ -13,6 +13,7 @@ def diloco(
     *,
     axis_name: str = REPLICA_AXIS,
     reduce: Reducer | None = None,
+    implementation: str = "auto",
 ) -> OuterOptimizer:
     """DiLoCo: an optax outer optimizer applied to the averaged pseudo-gradient.
 
@@ -22,15 +23,18 @@ def diloco(
         \\theta^{(t+1)} = \\theta^{(t)} + \\mathrm{OuterOpt}(\\bar\\Delta^{(t)})
 
     The paper's outer optimizer is ``optax.sgd(0.7, momentum=0.9, nesterov=True)``:
-    ``b <- mu*b + D; theta <- theta - eta*(D + mu*b)``. The inner optimizer (AdamW, lr 4e-4,
-    weight decay 0.1, betas (0.9, 0.95)) belongs to the training loop and keeps its state
-    across syncs.
+    ``b <- mu*b + D; theta <- theta - eta*(D + mu*b)``; ``co2jax.outer_sgd(0.7, 0.9,
+    nesterov=True)`` is the same transform, runnable by the fused outer-update kernel. The
+    inner optimizer (AdamW, lr 4e-4, weight decay 0.1, betas (0.9, 0.95)) belongs to the
+    training loop and keeps its state across syncs.
 
     Args:
       outer_optimizer: any optax transform; it sees the averaged pseudo-gradient as its
         gradient, so a descent step moves the anchor toward the replicas.
       axis_name: the replica axis.
       reduce: the cross-replica reduction (default: mean over ``axis_name``).
+      implementation: the fused outer update's (``"auto"``, ``"pallas"``, ``"interpret"``,
+        ``"xla"``), used when ``outer_optimizer`` is fusable (:func:`co2jax.outer_sgd`).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, co2jax
@@ -46,7 +50,9 @@ def diloco(
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
       Models", arXiv 2311.08105.
     """
-    return pseudo_gradient_method(outer_optimizer, axis_name=axis_name, reduce=reduce)
+    return pseudo_gradient_method(
+        outer_optimizer, axis_name=axis_name, reduce=reduce, implementation=implementation
+    )
 
 
 def delayed_diloco(
@@ -55,6 +61,7 @@ def delayed_diloco(
     *,
     axis_name: str = REPLICA_AXIS,
     reduce: Reducer | None = None,
+    implementation: str = "auto",
 ) -> OuterOptimizer:
     """Naive delayed DiLoCo: the average of round t's pseudo-gradients is applied at round t+d.
 
@@ -71,6 +78,8 @@ def delayed_diloco(
       delay: rounds between sending a pseudo-gradient and applying its average (>= 0).
       axis_name: the replica axis.
       reduce: the cross-replica reduction (default: mean over ``axis_name``).
+      implementation: the fused outer update's (``"auto"``, ``"pallas"``, ``"interpret"``,
+        ``"xla"``), used when ``outer_optimizer`` is fusable (:func:`co2jax.outer_sgd`).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, co2jax
@@ -91,7 +100,11 @@ def delayed_diloco(
       in DiLoCo", arXiv 2502.12996.
     """
     return pseudo_gradient_method(
-        outer_optimizer, delay=check_int("delay", delay, 0), axis_name=axis_name, reduce=reduce
+        outer_optimizer,
+        delay=check_int("delay", delay, 0),
+        axis_name=axis_name,
+        reduce=reduce,
+        implementation=implementation,
     )
 
 
@@ -102,6 +115,7 @@ def eager_diloco(
     num_replicas: int | None = None,
     axis_name: str = REPLICA_AXIS,
     reduce: Reducer | None = None,
+    implementation: str = "auto",
 ) -> OuterOptimizer:
     """Eager updates: the replica's own fresh pseudo-gradient stands in for its share.
 
@@ -131,6 +145,8 @@ def eager_diloco(
       num_replicas: R; ``None`` reads the size of ``axis_name``.
       axis_name: the replica axis.
       reduce: the cross-replica reduction (default: mean over ``axis_name``).
+      implementation: the fused outer update's (``"auto"``, ``"pallas"``, ``"interpret"``,
+        ``"xla"``), used when ``outer_optimizer`` is fusable (:func:`co2jax.outer_sgd`).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, co2jax
@@ -153,4 +169,5 @@ def eager_diloco(
         num_replicas=num_replicas,
         axis_name=axis_name,
         reduce=reduce,
+        implementation=implementation,
     )

@@ -24,6 +24,7 @@ reduction before the round's inner steps and hide it behind them.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -44,6 +45,9 @@ from co2jax._base import (
     tree_select,
     tree_sub,
 )
+from co2jax.algorithms.fused import fusable_of, tree_count
+from co2jax.kernels.api import check_implementation, outer_update
+from co2jax.kernels.layout import Gathered
 
 
 class PseudoGradientState(NamedTuple):
@@ -74,8 +78,15 @@ def pseudo_gradient_method(
     num_replicas: int | None = None,
     axis_name: str = REPLICA_AXIS,
     reduce: Reducer | None = None,
+    implementation: str = "auto",
 ) -> OuterOptimizer:
     """Builds an outer optimizer that applies ``outer_optimizer`` to averaged pseudo-gradients.
+
+    When ``outer_optimizer`` describes itself to the fused kernel (:func:`co2jax.outer_sgd`,
+    CO2's momentum), the whole ``apply`` (pending payload, eager correction, penalty, momentum,
+    clip, anchor) is one :func:`co2jax.kernels.outer_update`, which also takes the replicas'
+    payloads un-reduced (:class:`co2jax.kernels.Gathered`, as the round engine's all-gather
+    sends them) and averages them in the same pass. Any other optax transform runs as it is.
 
     Args:
       outer_optimizer: any optax transform; it receives the averaged pseudo-gradient as its
@@ -86,6 +97,8 @@ def pseudo_gradient_method(
       num_replicas: R for the eager mix; ``None`` reads the size of ``axis_name``.
       axis_name: the replica axis.
       reduce: the cross-replica reduction; defaults to the mean over ``axis_name``.
+      implementation: for a fusable ``outer_optimizer``, the fused update's implementation:
+        ``"auto"``, ``"pallas"``, ``"interpret"`` or ``"xla"`` (see :mod:`co2jax.kernels.api`).
 
     Returns:
       An :class:`~co2jax.OuterOptimizer` with :class:`PseudoGradientState`.
@@ -98,6 +111,8 @@ def pseudo_gradient_method(
     if num_replicas is not None:
         num_replicas = check_int("num_replicas", num_replicas, 1)
     reduce = replica_mean(axis_name) if reduce is None else reduce
+    check_implementation(implementation)
+    fusable = fusable_of(outer_optimizer)
 
     def init(params: Params) -> PseudoGradientState:
         pending = tuple(jax.tree.map(jnp.zeros_like, params) for _ in range(delay))
@@ -107,7 +122,41 @@ def pseudo_gradient_method(
     def payload(params: Params, state: PseudoGradientState) -> Params:
         return state.pending[0] if delay else tree_sub(state.anchor, params)
 
+    def apply_fused(params: Params, state: PseudoGradientState, reduced: Any):
+        r = 0
+        if eager:
+            r = num_replicas if num_replicas is not None else check_axis(axis_name)
+        spec = dataclasses.replace(fusable.spec, delayed=bool(delay), eager_replicas=r)
+        momentum, gap, gap_count = fusable.split(state.outer_state)
+        applied = state.count >= delay if delay and not eager else jnp.bool_(True)
+        correction = 1.0
+        if gap is not None:
+            correction = 1.0 - spec.gap_decay ** gap_count.astype(jnp.float32)
+        out = outer_update(
+            spec,
+            reduced,
+            state.anchor,
+            momentum,
+            params if delay else None,
+            state.pending[0] if eager else None,
+            gap,
+            apply=applied,
+            gap_correction=correction,
+            implementation=implementation,
+        )
+        mean_penalty = out.penalty_sum / max(1, tree_count(state.anchor))
+        outer_state = fusable.merge(
+            state.outer_state, out.momentum, out.gap_scale, mean_penalty, applied
+        )
+        pending = (*state.pending[1:], out.pending) if delay else ()
+        new_state = PseudoGradientState(out.anchor, outer_state, pending, state.count + 1)
+        return out.anchor, new_state
+
     def apply(params: Params, state: PseudoGradientState, reduced: Any):
+        if fusable is not None:
+            return apply_fused(params, state, reduced)
+        if isinstance(reduced, Gathered):
+            reduced = reduced.mean()
         pending: tuple[Params, ...] = ()
         direction = reduced
         if delay:
@@ -130,4 +179,12 @@ def pseudo_gradient_method(
         new_state = PseudoGradientState(anchor, outer_state, pending, state.count + 1)
         return anchor, new_state
 
-    return make_outer_optimizer(init, payload, apply, reduce, staleness=delay, replica_local=eager)
+    return make_outer_optimizer(
+        init,
+        payload,
+        apply,
+        reduce,
+        staleness=delay,
+        replica_local=eager,
+        accepts_gathered=True,
+    )
