@@ -28,6 +28,16 @@ class SkipNonfiniteState(NamedTuple):
     num_skipped: jax.Array
 
 
+def _everywhere(ok: jax.Array) -> jax.Array:
+    """``ok`` on every device that holds a piece of the decision: inside ``shard_map`` a flag
+    computed from shards (the round engine's ``shard_outer_state``) varies over their mesh
+    axes, and one shard's NaN must skip the step for all of them. Needs ``shard_map``'s
+    varying-axis types (``check_vma=True``)."""
+    kind = getattr(jax.typeof(ok), "manual_axis_type", None)
+    axes = tuple(sorted(kind.varying)) if kind is not None else ()
+    return jax.lax.pmin(ok.astype(jnp.int32), axes) > 0 if axes else ok
+
+
 def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
     """Skips the outer step when the averaged pseudo-gradient has a NaN or an Inf.
 
@@ -44,6 +54,10 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
     the anchor must be replica-invariant: eager updates (``outer.replica_local``) are refused,
     because a skip taken by some replicas and not others would leave their replica-local
     anchors apart for good (their eager terms no longer telescope).
+
+    Given the replicas' payloads un-reduced (:class:`co2jax.kernels.Gathered`, from the round
+    engine's all-gather), the check is that every payload is finite, which their mean is
+    unless finite payloads overflow when summed.
 
     After a skip, :func:`co2jax.co2`'s penalty sees ``theta^(t) + alpha*m`` as the previous
     anchor, i.e. the anchor before the last *applied* step, although the stale pseudo-gradients
@@ -80,7 +94,7 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
 
     def apply(params: Params, state: SkipNonfiniteState, reduced: Any):
         new_params, new_inner = outer.apply(params, state.inner_state, reduced)
-        ok = tree_all_finite(reduced) & tree_all_finite(new_params)
+        ok = _everywhere(tree_all_finite(reduced) & tree_all_finite(new_params))
         kept = state.inner_state
         # in-flight bookkeeping advances even on a skip: this round's pseudo-gradient is sent
         # as usual and the sync count keeps counting syncs
@@ -92,4 +106,11 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
         skipped = state.num_skipped + jnp.logical_not(ok).astype(jnp.int32)
         return params_out, SkipNonfiniteState(inner, skipped)
 
-    return make_outer_optimizer(init, payload, apply, outer.reduce, outer.staleness)
+    return make_outer_optimizer(
+        init,
+        payload,
+        apply,
+        outer.reduce,
+        outer.staleness,
+        accepts_gathered=outer.accepts_gathered,
+    )

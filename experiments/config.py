@@ -31,6 +31,7 @@ ALGORITHMS = (
 )
 DATA_KINDS = ("markov", "text", "stdlib", "tokens")
 PENALTIES = ("none", "constant", "gap_aware")
+IMPLEMENTATIONS = ("auto", "pallas", "interpret", "xla")  # co2jax.kernels.IMPLEMENTATIONS
 SCHEDULES = ("constant", "cosine")
 
 
@@ -88,6 +89,7 @@ class OuterConfig:
     gap_decay: float = 0.9
     mode: str = "paper"
     skip_nonfinite: bool = True
+    implementation: str = "auto"  # the fused outer update's: auto | pallas | interpret | xla
 
 
 @dataclass(frozen=True)
@@ -305,6 +307,8 @@ def validate(config: Config, device_count: int | None = None) -> Config:
     o, d, m, t, i = config.outer, config.data, config.mesh, config.train, config.inner
     if o.algorithm not in ALGORITHMS:
         _fail("outer.algorithm", o.algorithm, f"must be one of {ALGORITHMS}")
+    if o.implementation not in IMPLEMENTATIONS:
+        _fail("outer.implementation", o.implementation, f"must be one of {IMPLEMENTATIONS}")
     if o.penalty not in PENALTIES:
         _fail("outer.penalty", o.penalty, f"must be one of {PENALTIES}")
     if o.mode not in ("paper", "reference_code"):

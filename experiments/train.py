@@ -49,12 +49,15 @@ class Run(NamedTuple):
 
 def build_outer(o: config_lib.OuterConfig, sync_every: int, schedule):
     """The outer algorithm, through co2jax's public factories; ``None`` for DDP."""
-    import optax
 
     import co2jax
 
-    def sgd():
-        return optax.sgd(o.learning_rate, momentum=o.momentum or None, nesterov=o.nesterov)
+    def sgd():  # optax.sgd's transform and state, runnable by the fused outer update
+        momentum = o.momentum or None  # 0: plain SGD (Nesterov then means nothing)
+        nesterov = o.nesterov and momentum is not None
+        return co2jax.outer_sgd(o.learning_rate, momentum=momentum, nesterov=nesterov)
+
+    impl = dict(implementation=o.implementation)
 
     if o.algorithm == "ddp":
         return None
@@ -67,18 +70,18 @@ def build_outer(o: config_lib.OuterConfig, sync_every: int, schedule):
             slow_momentum=o.momentum,
         )
     elif o.algorithm == "diloco":
-        outer = co2jax.diloco(sgd())
+        outer = co2jax.diloco(sgd(), **impl)
     elif o.algorithm == "delayed_diloco":
-        outer = co2jax.delayed_diloco(sgd(), delay=o.delay)
+        outer = co2jax.delayed_diloco(sgd(), delay=o.delay, **impl)
     elif o.algorithm == "eager_diloco":
-        return co2jax.eager_diloco(sgd(), delay=o.delay)  # replica-local: no skip guard
+        return co2jax.eager_diloco(sgd(), delay=o.delay, **impl)  # replica-local: no skip guard
     else:
         penalty = {
             "none": None,
             "constant": co2jax.penalties.constant(o.penalty_lambda),
             "gap_aware": co2jax.penalties.gap_aware(o.gap_decay),
         }[o.penalty]
-        outer = co2jax.co2(o.learning_rate, o.momentum, o.clip_threshold, penalty, o.mode)
+        outer = co2jax.co2(o.learning_rate, o.momentum, o.clip_threshold, penalty, o.mode, **impl)
     return co2jax.skip_nonfinite(outer) if o.skip_nonfinite else outer
 
 
@@ -132,7 +135,9 @@ def build(cfg: config_lib.Config) -> Run:
     if outer is None:
         inner, outer = co2jax.data_parallel(inner), co2jax.no_sync()
     mesh = co2jax.make_mesh(cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model)
-    trainer = co2jax.RoundTrainer(loss_fn, inner, outer, mesh, t.sync_every)
+    # Pallas' interpreter is not typed for shard_map's varying-axis check (docs/kernels.md)
+    check_vma = cfg.outer.implementation != "interpret"
+    trainer = co2jax.RoundTrainer(loss_fn, inner, outer, mesh, t.sync_every, check_vma=check_vma)
 
     rep = P("replica")
     eval_fn = jax.jit(

@@ -72,6 +72,7 @@ def test_overrides():
         (["data.kind=text"], "data.path=None"),
         (["outer.penalty=big"], "outer.penalty='big'"),
         (["outer.momentum=1.0"], "outer.momentum=1.0"),
+        (["outer.implementation=cuda"], "outer.implementation='cuda'"),
     ],
 )
 def test_bad_configs_fail_before_compiling(overrides, match, tmp_path):
@@ -163,3 +164,18 @@ def test_tensorboard_and_progress(tmp_path, capsys):
         assert key in record
     assert json.loads(record)["clip_fraction"] > 0.9  # round 2 applies the first average
     assert "micro" in capsys.readouterr().err  # the tqdm bar
+
+
+def test_config_implementations_are_the_kernels():
+    import co2jax
+
+    assert config_lib.IMPLEMENTATIONS == co2jax.kernels.IMPLEMENTATIONS
+
+
+def test_fused_kernel_in_the_driver_equals_xla(tmp_path):
+    """CO2 with the gap-aware penalty: the kernel (interpreter) and XLA give the same run."""
+    common = ["outer.algorithm=co2", "outer.penalty=gap_aware", "outer.clip_threshold=0.05"]
+    xla = train.train(_micro(tmp_path / "x", *common, "outer.implementation=xla"))
+    fused = train.train(_micro(tmp_path / "p", *common, "outer.implementation=interpret"))
+    for a, b in zip(xla.history, fused.history, strict=True):
+        np.testing.assert_allclose(a["eval_loss"], b["eval_loss"], rtol=1e-5)

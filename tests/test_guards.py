@@ -94,3 +94,27 @@ def test_requires_an_anchor():
     )
     with pytest.raises(TypeError, match="anchor"):
         co2jax.skip_nonfinite(bare).init(jnp.zeros(2))
+
+
+def test_a_nan_in_one_data_shard_skips_the_step_on_every_shard():
+    """Round engine with shard_outer_state: each device checks its shard of the average; the
+    skip must still be one decision (before the fix the program did not even compile)."""
+    import textbook as tb
+    from test_engine import engine_loss, textbook_batch
+
+    problem = tb.make_problem(replicas=4, examples=2)
+    mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
+    outer = co2jax.skip_nonfinite(co2jax.local_sgd())
+    trainer = co2jax.RoundTrainer(
+        engine_loss, optax.sgd(0.1), outer, mesh, sync_every=3, shard_outer_state=True
+    )
+    theta0 = jnp.asarray(problem.theta0, jnp.float32)
+    state = trainer.init({"b": theta0[:2], "w": theta0[2:]})
+    batch = textbook_batch(problem)
+    poisoned = dict(batch, c=batch["c"].at[1, :, :, 0].set(jnp.nan))  # "b"[0]: data shard 0
+    state, _ = trainer.round(state, poisoned)
+    np.testing.assert_array_equal(state.outer_state.num_skipped, [1, 1, 1, 1])
+    np.testing.assert_array_equal(state.params["b"], jnp.broadcast_to(theta0[:2], (4, 2)))
+    state, _ = trainer.round(state, batch)  # and it recovers
+    np.testing.assert_array_equal(state.outer_state.num_skipped, [1, 1, 1, 1])
+    assert np.isfinite(np.asarray(state.params["b"])).all()
