@@ -6,7 +6,7 @@ axis_name="replica")`` and under ``jax.shard_map`` on a device mesh. :func:`loca
 turns one into an optax transform for ordinary per-step training loops.
 """
 
-from co2jax import distributed, hlo, kernels, overlap, penalties, reducers
+from co2jax import compression, distributed, fragments, hlo, kernels, overlap, penalties, reducers
 from co2jax._base import REPLICA_AXIS, OuterOptimizer, Reducer, replica_mean
 from co2jax.adapter import LocalUpdatesState, local_updates
 from co2jax.algorithms import (
@@ -23,10 +23,12 @@ from co2jax.algorithms import (
     outer_sgd,
     pseudo_gradient_method,
     slowmo,
+    sparseloco,
 )
 from co2jax.engine import RoundMetrics, RoundTrainer, TrainState
 from co2jax.guards import SkipNonfiniteState, skip_nonfinite
 from co2jax.mesh import DATA, MODEL, REPLICA, make_mesh
+from co2jax.streaming import StreamingOuter, StreamingState, streaming_diloco
 
 __version__ = "0.1.0"
 
@@ -44,13 +46,17 @@ __all__ = [
     "RoundTrainer",
     "SkipNonfiniteState",
     "SlowMomentumState",
+    "StreamingOuter",
+    "StreamingState",
     "TrainState",
     "co2",
+    "compression",
     "data_parallel",
     "delayed_diloco",
     "distributed",
     "diloco",
     "eager_diloco",
+    "fragments",
     "hlo",
     "kernels",
     "local_sgd",
@@ -65,4 +71,6 @@ __all__ = [
     "replica_mean",
     "skip_nonfinite",
     "slowmo",
+    "sparseloco",
+    "streaming_diloco",
 ]

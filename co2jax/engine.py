@@ -54,6 +54,7 @@ from co2jax.kernels.api import target_backend
 from co2jax.kernels.layout import Gathered
 from co2jax.mesh import DATA, REPLICA
 from co2jax.segments import Consume, Issue, scan_segments
+from co2jax.streaming import StreamingOuter
 
 REDUCER_CHOICES = ("auto", "outer", *_reducers.KINDS)
 
@@ -143,8 +144,9 @@ class RoundTrainer:
       outer: an :class:`~co2jax.OuterOptimizer`.
       mesh: a mesh with ``"replica"`` and ``"data"`` axes (see :func:`co2jax.make_mesh`).
       sync_every: H, inner steps per round.
-      reducer: ``"auto"`` (see :func:`auto_reducer`), ``"outer"`` (the algorithm's own
-        ``reduce``), or one of ``co2jax.reducers.KINDS``.
+      reducer: ``"auto"`` (see :func:`auto_reducer`; an algorithm whose ``reduce`` is a
+        compressed collective, :func:`co2jax.compression.all_gather_compressed`, keeps it),
+        ``"outer"`` (the algorithm's own ``reduce``), or one of ``co2jax.reducers.KINDS``.
       shard_outer_state: shard the outer state over ``data`` inside each replica.
       fsdp: also shard the parameters and the inner optimizer state over ``data`` (FSDP /
         ZeRO-3 style): each inner step all-gathers the parameters over ``data`` for the
@@ -174,8 +176,21 @@ class RoundTrainer:
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got loss_fn={loss_fn!r}")
         self.inner = optax.with_extra_args_support(check_transform("inner", inner))
-        if not isinstance(outer, OuterOptimizer):
-            raise ValueError(f"outer must be a co2jax.OuterOptimizer, got outer={outer!r}")
+        if not isinstance(outer, (OuterOptimizer, StreamingOuter)):
+            raise ValueError(
+                f"outer must be a co2jax.OuterOptimizer or StreamingOuter, got outer={outer!r}"
+            )
+        self.streaming = isinstance(outer, StreamingOuter)
+        if self.streaming and (shard_outer_state or fsdp):
+            raise ValueError(
+                "Streaming DiLoCo runs with whole outer state: got shard_outer_state="
+                f"{shard_outer_state!r}, fsdp={fsdp!r}"
+            )
+        if self.streaming and outer.sync_every != sync_every:
+            raise ValueError(
+                f"sync_every={sync_every!r} differs from the streaming schedule's "
+                f"sync_every={outer.sync_every!r}"
+            )
         missing = {REPLICA, DATA} - set(mesh.axis_names)
         if missing:
             raise ValueError(
@@ -355,11 +370,13 @@ class RoundTrainer:
 
     def _choose_reducer(self, payload_shapes) -> tuple[str, Any]:
         kind = self.reducer
+        if kind == "auto" and getattr(self.outer.reduce, "codec", None) is not None:
+            kind = "outer"  # a compressed collective: never swapped for an uncompressed one
         if kind == "auto":
             elements = sum(x.size for x in jax.tree.leaves(payload_shapes))
             kind = auto_reducer(self.platform, self.replicas, self.outer.staleness, elements)
         reduce = self.outer.reduce if kind == "outer" else _reducers.make(kind, REPLICA)
-        if kind == "all_gather" and self.outer.accepts_gathered:
+        if kind == "all_gather" and getattr(self.outer, "accepts_gathered", False):
             # the R payloads go to the outer update un-reduced: a fused update averages them
             # in its own pass (co2jax.kernels)
             reduce = _reducers.all_gather_stacked(REPLICA)
@@ -375,6 +392,8 @@ class RoundTrainer:
         outer, H = self.outer, self.sync_every
         if reduce is None:
             reduce = self._choose_reducer(payload_shapes)[1]
+        if self.streaming:
+            return self._streaming_events(reduce)
 
         def issue(c: _Carry):
             payload = outer.payload(self._shard_local(c.params), c.outer_state)
@@ -396,6 +415,33 @@ class RoundTrainer:
 
         at = 0 if outer.staleness else H
         return [Issue(at, "sync", issue), Consume(H, "sync", consume)]
+
+    def _streaming_events(self, reduce) -> list[Issue | Consume]:
+        """Fragment p issued ``tau`` steps before it is applied; metrics summed over them."""
+        outer = self.outer._replace(reduce=reduce)
+        count = outer.fragments.count
+
+        def on_reduced(c: _Carry, p, payload, reduced) -> _Carry:
+            sums = jnp.stack(
+                [
+                    sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in payload),
+                    sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in reduced),
+                    sum(
+                        jnp.sum(x.astype(jnp.float32) * y.astype(jnp.float32))
+                        for x, y in zip(payload, reduced, strict=True)
+                    ),
+                ]
+            )
+            pp, rr, pr = sums
+            cos = jnp.where(pp * rr > 0, pr / jnp.sqrt(jnp.where(pp * rr > 0, pp * rr, 1.0)), 0.0)
+            # norm accumulates |Delta|^2 (square-rooted after the round), cosine its mean
+            return c._replace(norm=c.norm + pp, cosine=c.cosine + cos / count)
+
+        return outer.events(
+            lambda c: (c.params, c.outer_state),
+            lambda c, params, state: c._replace(params=params, outer_state=state),
+            on_reduced,
+        )
 
     def _whole_leaves_data_invariant(self, new, old):
         """Averages over ``data`` a whole (unsharded) outer-state leaf that the update made
@@ -464,23 +510,47 @@ class RoundTrainer:
         carry = _Carry(params, inner_state, outer_state, jnp.float32(0), jnp.float32(0))
         events = self.round_events(payload_shapes, reduce)
         carry, losses = scan_segments(step, carry, batch, events)
+        if self.streaming:
+            carry = carry._replace(norm=jnp.sqrt(carry.norm))
         params, inner_state, outer_state = carry.params, carry.inner_state, carry.outer_state
 
-        payload_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(payload_shapes))
-        nbytes = _reducers.wire_bytes(
-            "pmean" if kind == "outer" else kind, payload_bytes, self.replicas
-        )
+        nbytes = sum(self._wire_bytes(kind, shapes) for shapes in self._payloads(payload_shapes))
         metrics = RoundMetrics(losses, carry.norm, carry.cosine, jnp.asarray(nbytes, jnp.float32))
         out = (params, inner_state, outer_state, rnd + 1)
         return jax.tree.map(lambda x: x[None], (*out, metrics))
+
+    def _payloads(self, payload_shapes) -> list[Any]:
+        """The payloads one round sends: one per fragment (streaming), else the one."""
+        return list(payload_shapes) if self.streaming else [payload_shapes]
+
+    def _wire_bytes(self, kind: str, payload_shapes) -> float:
+        """Bytes one replica sends to reduce one payload with the chosen reducer."""
+        codec = getattr(self.outer.reduce, "codec", None) if kind == "outer" else None
+        if codec is not None:  # all-gather of the encoded payload (values, scales, indices)
+            elements = sum(x.size for x in jax.tree.leaves(payload_shapes))
+            return _reducers.wire_bytes("all_gather", codec.wire_bytes(elements), self.replicas)
+        payload_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(payload_shapes))
+        return _reducers.wire_bytes(
+            "pmean" if kind == "outer" else kind, payload_bytes, self.replicas
+        )
 
     def round_fn(self, state: TrainState):
         """The jitted, shard_map'd round for states shaped like ``state``."""
         specs = self.state_specs(state)
         one = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), t)
-        payload_shapes = jax.eval_shape(
-            self.outer.payload, one(state.params), one(state.outer_state)
-        )
+        if self.streaming:  # one payload per fragment
+            payload_shapes = [
+                jax.eval_shape(
+                    lambda a, b, p=p: self.outer.payload(a, b, p),
+                    one(state.params),
+                    one(state.outer_state),
+                )
+                for p in range(self.outer.fragments.count)
+            ]
+        else:
+            payload_shapes = jax.eval_shape(
+                self.outer.payload, one(state.params), one(state.outer_state)
+            )
         param_shapes = one(state.params)
         kind, reduce = self._choose_reducer(payload_shapes)
         self.reducer_kind = kind

@@ -99,7 +99,7 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
         # in-flight bookkeeping advances even on a skip: this round's pseudo-gradient is sent
         # as usual and the sync count keeps counting syncs
         for field in ("pending", "count"):
-            if hasattr(kept, field):
+            if field in getattr(kept, "_fields", ()):  # not tuple.count
                 kept = kept._replace(**{field: getattr(new_inner, field)})
         inner = tree_select(ok, new_inner, kept)
         params_out = tree_select(ok, new_params, state.inner_state.anchor)

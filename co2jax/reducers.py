@@ -17,12 +17,11 @@ All three equal the mean up to float rounding (summation order), and keep leaf d
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 
 from co2jax._base import REPLICA_AXIS, Payload, Reducer, check_axis, check_axis_name, replica_mean
+from co2jax.compression import flatten as _flatten
 from co2jax.kernels.api import gather_layout
 from co2jax.kernels.layout import Gathered
 
@@ -32,21 +31,6 @@ KINDS = ("pmean", "all_gather", "ring")
 def pmean(axis_name: str = REPLICA_AXIS) -> Reducer:
     """The all-reduce mean, ``lax.pmean`` (same as :func:`co2jax.replica_mean`)."""
     return replica_mean(axis_name)
-
-
-def _flatten(payload: Payload) -> tuple[jax.Array, Callable[[jax.Array], Payload]]:
-    """One float32 vector of every leaf, and the function that splits it back (dtypes kept)."""
-    leaves, treedef = jax.tree.flatten(payload)
-    flat = jnp.concatenate([x.astype(jnp.float32).ravel() for x in leaves])
-
-    def unflatten(vector: jax.Array) -> Payload:
-        pieces, offset = [], 0
-        for x in leaves:
-            pieces.append(vector[offset : offset + x.size].reshape(x.shape).astype(x.dtype))
-            offset += x.size
-        return jax.tree.unflatten(treedef, pieces)
-
-    return flat, unflatten
 
 
 def all_gather_mean(axis_name: str = REPLICA_AXIS) -> Reducer:

@@ -28,7 +28,10 @@ ALGORITHMS = (
     "delayed_diloco",
     "eager_diloco",
     "co2",
+    "streaming_diloco",
+    "sparseloco",
 )
+COMPRESSIONS = ("none", "bf16", "fp8", "int8", "fp4", "2bit")  # co2jax.compression formats
 DATA_KINDS = ("markov", "text", "stdlib", "tokens")
 PENALTIES = ("none", "constant", "gap_aware")
 IMPLEMENTATIONS = ("auto", "pallas", "interpret", "xla")  # co2jax.kernels.IMPLEMENTATIONS
@@ -90,6 +93,14 @@ class OuterConfig:
     mode: str = "paper"
     skip_nonfinite: bool = True
     implementation: str = "auto"  # the fused outer update's: auto | pallas | interpret | xla
+    compression: str = "none"  # pseudo-gradients on the wire (diloco family, streaming)
+    error_feedback: bool = False  # keep the compression residual per replica
+    fragments: int = 2  # streaming_diloco: P, strided over the transformer blocks
+    tau: int = 1  # streaming_diloco: inner steps between sending and applying a fragment
+    alpha: float = 0.5  # streaming_diloco: merge weight of the local values
+    decay: float = 0.95  # sparseloco: error-feedback decay
+    topk: int = 32  # sparseloco: values kept per chunk
+    chunk: int = 4096  # sparseloco: chunk size
 
 
 @dataclass(frozen=True)
@@ -309,6 +320,20 @@ def validate(config: Config, device_count: int | None = None) -> Config:
         _fail("outer.algorithm", o.algorithm, f"must be one of {ALGORITHMS}")
     if o.implementation not in IMPLEMENTATIONS:
         _fail("outer.implementation", o.implementation, f"must be one of {IMPLEMENTATIONS}")
+    if o.compression not in COMPRESSIONS:
+        _fail("outer.compression", o.compression, f"must be one of {COMPRESSIONS}")
+    if o.compression != "none" and o.algorithm not in ("diloco", "streaming_diloco"):
+        _fail("outer.compression", o.compression, "applies to diloco and streaming_diloco")
+    if o.fragments < 1:
+        _fail("outer.fragments", o.fragments, "must be >= 1")
+    if o.algorithm == "streaming_diloco" and not 0 <= o.tau < t.sync_every // o.fragments:
+        _fail(
+            "outer.tau",
+            o.tau,
+            f"must be in [0, sync_every // fragments) = [0, {t.sync_every // o.fragments})",
+        )
+    if not 0 <= o.alpha <= 1:
+        _fail("outer.alpha", o.alpha, "must be in [0, 1]")
     if o.penalty not in PENALTIES:
         _fail("outer.penalty", o.penalty, f"must be one of {PENALTIES}")
     if o.mode not in ("paper", "reference_code"):

@@ -47,10 +47,25 @@ class Run(NamedTuple):
     schedule: Any
 
 
-def build_outer(o: config_lib.OuterConfig, sync_every: int, schedule):
-    """The outer algorithm, through co2jax's public factories; ``None`` for DDP."""
+def build_outer(o: config_lib.OuterConfig, sync_every: int, schedule, params=None):
+    """The outer algorithm, through co2jax's public factories; ``None`` for DDP.
+
+    ``params`` (the model's parameters or their shapes) is needed for Streaming DiLoCo's
+    fragments: strided over the transformer blocks, embeddings in fragment 0, the rest last.
+    """
 
     import co2jax
+    from co2jax import compression as cx
+
+    reduce, codec = None, None
+    if o.compression != "none":
+        codec = cx.make(o.compression)
+        reduce = cx.all_gather_compressed(codec)
+
+    def compressed(outer):  # the guard inside error feedback: a skip keeps the residual
+        if o.skip_nonfinite:
+            outer = co2jax.skip_nonfinite(outer)
+        return cx.error_feedback(outer, codec) if codec is not None and o.error_feedback else outer
 
     def sgd():  # optax.sgd's transform and state, runnable by the fused outer update
         momentum = o.momentum or None  # 0: plain SGD (Nesterov then means nothing)
@@ -70,7 +85,15 @@ def build_outer(o: config_lib.OuterConfig, sync_every: int, schedule):
             slow_momentum=o.momentum,
         )
     elif o.algorithm == "diloco":
-        outer = co2jax.diloco(sgd(), **impl)
+        return compressed(co2jax.diloco(sgd(), reduce=reduce, **impl))
+    elif o.algorithm == "streaming_diloco":
+        frags = co2jax.fragments.make_fragments(
+            params, o.fragments, layers=r"blocks/(\d+)/", assign={r"^(?!embed)": o.fragments - 1}
+        )
+        # no skip guard: its decision is per fragment sync, not per round
+        return co2jax.streaming_diloco(sgd(), frags, sync_every, o.tau, o.alpha, reduce=reduce)
+    elif o.algorithm == "sparseloco":
+        outer = co2jax.sparseloco(o.learning_rate, o.decay, o.topk, o.chunk)
     elif o.algorithm == "delayed_diloco":
         outer = co2jax.delayed_diloco(sgd(), delay=o.delay, **impl)
     elif o.algorithm == "eager_diloco":
@@ -131,7 +154,7 @@ def build(cfg: config_lib.Config) -> Run:
     else:
         schedule = optax.linear_schedule(0.0, i.learning_rate, max(i.warmup_steps, 1))
     inner = optax.adamw(schedule, b1=i.b1, b2=i.b2, weight_decay=i.weight_decay)
-    outer = build_outer(cfg.outer, t.sync_every, schedule)
+    outer = build_outer(cfg.outer, t.sync_every, schedule, params)
     if outer is None:
         inner, outer = co2jax.data_parallel(inner), co2jax.no_sync()
     mesh = co2jax.make_mesh(cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model)

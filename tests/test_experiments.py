@@ -84,7 +84,8 @@ def test_bad_configs_fail_before_compiling(overrides, match, tmp_path):
 @pytest.mark.parametrize("algorithm", config_lib.ALGORITHMS)
 def test_every_algorithm_runs_two_rounds(algorithm, tmp_path):
     momentum = "0.0" if algorithm in ("co2", "delayed_diloco", "eager_diloco") else "0.9"
-    cfg = _micro(tmp_path, f"outer.algorithm={algorithm}", f"outer.momentum={momentum}")
+    extra = ["outer.tau=0"] if algorithm == "streaming_diloco" else []  # H = 2, P = 2
+    cfg = _micro(tmp_path, f"outer.algorithm={algorithm}", f"outer.momentum={momentum}", *extra)
     result = train.train(cfg)
     assert [r["round"] for r in result.history] == [1, 2]
     last = result.history[-1]
@@ -179,3 +180,30 @@ def test_fused_kernel_in_the_driver_equals_xla(tmp_path):
     fused = train.train(_micro(tmp_path / "p", *common, "outer.implementation=interpret"))
     for a, b in zip(xla.history, fused.history, strict=True):
         np.testing.assert_allclose(a["eval_loss"], b["eval_loss"], rtol=1e-5)
+
+
+def test_streaming_simulation_hides_each_fragment_behind_tau_steps():
+    link = compare.Link(bandwidth_gbps=1.0, latency_ms=0.0, overlap_slowdown=0.0)
+    # 2 fragments of 0.5 Gbit each (0.5 s per ring all-reduce at R=2), 10 steps of 0.1 s
+    full = compare.simulated_round_s("streaming_diloco", 0.1, 10, 1e9 / 8, 2, link, 2, 0)
+    hidden = compare.simulated_round_s("streaming_diloco", 0.1, 10, 1e9 / 8, 2, link, 2, 5)
+    assert full == pytest.approx(2.0) and hidden == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["outer.algorithm=streaming_diloco", "outer.tau=0", "outer.compression=fp4"],
+        ["outer.algorithm=diloco", "outer.compression=int8", "outer.error_feedback=true"],
+        ["outer.algorithm=sparseloco", "outer.topk=64"],
+    ],
+    ids=["streaming_fp4", "diloco_int8_ef", "sparseloco"],
+)
+def test_compressed_algorithms_run_and_send_fewer_bytes(overrides, tmp_path):
+    plain = train.train(_micro(tmp_path / "plain", "outer.algorithm=diloco"))
+    result = train.train(_micro(tmp_path / "c", *overrides))
+    last = result.history[-1]
+    assert np.isfinite(last["eval_loss"])
+    # an all-gather sends R-1 encoded copies against a ring all-reduce's 2(R-1)/R float32
+    # payloads: int8 at R = 4 is ~1.9x fewer bytes, FP4 ~3.9x, SparseLoCo far fewer
+    assert last["bytes_total"] < plain.history[-1]["bytes_total"] / 1.5

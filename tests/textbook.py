@@ -174,3 +174,64 @@ def data_parallel_sgd(problem, lr, H, rounds):
             )
         _record(out, theta, problem.replicas)
     return np.array(out)
+
+
+def streaming_nesterov(problem, lr, H, rounds, fragments, tau, alpha, eta, mu):
+    """Streaming DiLoCo: fragment p (flat indices) applied after (p+1)*H//P steps, sent tau
+    steps earlier; Nesterov per fragment on the global copy; merge alpha*local + (1-alpha)*
+    global. Returns every replica's local parameters at the end of each round."""
+    R, P = problem.replicas, len(fragments)
+    local = [problem.theta0.copy() for _ in range(R)]
+    glob = problem.theta0.copy()
+    b = [np.zeros(len(idx)) for idx in fragments]
+    apply_at = [(p + 1) * H // P for p in range(P)]
+    send_at = [a - tau for a in apply_at]
+    sent, out = {}, []
+    for _ in range(rounds):
+        for k in range(H + 1):
+            for p, idx in enumerate(fragments):
+                if send_at[p] == k:
+                    sent[p] = np.mean([glob[idx] - local[r][idx] for r in range(R)], axis=0)
+                if apply_at[p] == k:
+                    g = sent.pop(p)
+                    b[p] = mu * b[p] + g
+                    glob[idx] = glob[idx] - eta * (g + mu * b[p])
+                    for r in range(R):
+                        local[r][idx] = alpha * local[r][idx] + (1 - alpha) * glob[idx]
+            if k < H:
+                local = [x - lr * problem.grad(r, x) for r, x in enumerate(local)]
+        out.append(np.stack(local))
+    return np.array(out)
+
+
+def _topk_ternary(e, k, chunk, quantize):
+    """Per chunk: the k largest |e| kept (ternary 2-bit with scale max|kept| if quantize)."""
+    out, support = np.zeros_like(e), np.zeros_like(e)
+    for start in range(0, e.size, chunk):
+        seg = e[start : start + chunk]
+        keep = np.argsort(-np.abs(seg), kind="stable")[:k]
+        vals = seg[keep]
+        if quantize:
+            s = np.abs(vals).max()
+            vals = np.where(vals >= s / 2, s, np.where(vals <= -s / 2, -s, 0.0)) if s > 0 else vals
+        out[start + keep] = vals
+        support[start + keep] = 1.0
+    return out, support
+
+
+def sparseloco(problem, lr, H, rounds, alpha, beta, k, chunk, quantize=True):
+    """e_r <- beta*e_r + Delta_r; sent_r = Q(TopK(e_r)); e_r -= sent_r;
+    theta <- theta - alpha * (sum_r sent_r / #contributors per index)."""
+    R = problem.replicas
+    anchor, out = problem.theta0.copy(), []
+    e = [np.zeros_like(anchor) for _ in range(R)]
+    for _ in range(rounds):
+        total, count = np.zeros_like(anchor), np.zeros_like(anchor)
+        for r in range(R):
+            e[r] = beta * e[r] + (anchor - inner_sgd(problem, r, anchor, lr, H))
+            sent, support = _topk_ternary(e[r], k, chunk, quantize)
+            e[r] = e[r] - sent
+            total, count = total + sent, count + support
+        anchor = anchor - alpha * total / np.maximum(count, 1.0)
+        _record(out, anchor, R)
+    return np.array(out)

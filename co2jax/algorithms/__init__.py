@@ -7,6 +7,7 @@ from co2jax.algorithms.fused import FusableTransformation, outer_sgd
 from co2jax.algorithms.local_sgd import local_sgd
 from co2jax.algorithms.pseudo_gradient import PseudoGradientState, pseudo_gradient_method
 from co2jax.algorithms.slowmo import SlowMomentumState, scale_by_slow_momentum, slowmo
+from co2jax.algorithms.sparseloco import sparseloco
 
 __all__ = [
     "CO2MomentumState",
@@ -26,4 +27,5 @@ __all__ = [
     "scale_by_co2_momentum",
     "scale_by_slow_momentum",
     "slowmo",
+    "sparseloco",
 ]

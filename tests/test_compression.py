@@ -1,0 +1,206 @@
+"""Compression codecs, the compressed collective and error feedback."""
+
+from __future__ import annotations
+
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import textbook as tb
+
+import co2jax
+from co2jax import compression as cx
+
+CODECS = {
+    "none": cx.none(),
+    "bf16": cx.bf16(),
+    "fp8": cx.fp8(block=64),
+    "int8": cx.int8(block=64),
+    "fp4": cx.fp4(block=64),
+    "2bit": cx.two_bit(block=64),
+    "topk": cx.topk(8, chunk=64),
+    "topk_2bit": cx.topk(8, chunk=64, values=cx.two_bit(block=8)),
+}
+SIZES = [1, 63, 64, 1000]  # ragged: shorter than, equal to and not a multiple of a block
+
+
+def _step_bound(name, x):
+    """Largest allowed |x - roundtrip(x)| per element, from each format's quantization step."""
+    xb = np.pad(np.abs(x), (0, (-x.size) % 64)).reshape(-1, 64)
+    s = np.repeat(xb.max(axis=1), 64)[: x.size]  # the block's max|x|
+    a = np.abs(x)
+    return {
+        "none": np.zeros_like(a),
+        "bf16": a * 2.0**-8,
+        "fp8": a * 2.0**-4 + s / 448 * 2.0**-9,  # 3 mantissa bits; subnormals
+        "int8": s / 127 / 2,
+        "fp4": np.maximum(a / 3, s * 2.0**-7),
+        "2bit": s / 2,
+    }.get(name)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("name", list(CODECS))
+def test_roundtrip_within_the_quantization_step(name, n):
+    codec = CODECS[name]
+    rng = np.random.default_rng(n)
+    x = (rng.normal(size=n) * rng.choice([1e-3, 1.0, 50.0], size=n)).astype(np.float32)
+    x[:: max(1, n // 5)] = 0.0  # zeros inside blocks
+    got = np.asarray(jax.jit(codec.roundtrip)(jnp.asarray(x)))
+    assert got.shape == (n,) and got.dtype == np.float32
+    np.testing.assert_array_equal(got[x == 0], 0.0)  # zeros exact
+    assert np.all(np.sign(got[got != 0]) == np.sign(x[got != 0]))  # signs kept
+    bound = _step_bound(name, x)
+    if bound is not None:
+        np.testing.assert_array_less(np.abs(got - x), bound + 1e-12)
+    else:  # top-k: the k largest of each chunk are kept (exactly, or within their codec)
+        kept = got != 0
+        for c in range(0, n, 64):
+            xs, ks = np.abs(x[c : c + 64]), kept[c : c + 64]
+            if ks.any() and (~ks).any():
+                assert xs[ks].min() >= xs[~ks].max()
+        if name == "topk":
+            np.testing.assert_array_equal(got[kept], x[kept])
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_idempotent(name):
+    """C(D(C(x))) == C(x): error feedback's sent value crosses the collective unchanged."""
+    codec = CODECS[name]
+    x = jnp.asarray(np.random.default_rng(0).normal(size=300), jnp.float32)
+    once = codec.roundtrip(x)
+    # exact for the integer formats; to float32 rounding where a scale divides and multiplies
+    np.testing.assert_allclose(codec.roundtrip(once), once, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_all_zero_and_non_finite_blocks(name):
+    codec = CODECS[name]
+    np.testing.assert_array_equal(codec.roundtrip(jnp.zeros(130)), 0.0)
+    x = jnp.ones(128).at[3].set(jnp.nan)
+    got = np.asarray(codec.roundtrip(x))
+    assert not np.isfinite(got).all(), "a NaN must not disappear"
+
+
+def test_wire_bytes_are_the_encoded_bytes():
+    for name, codec in CODECS.items():
+        for n in SIZES:
+            enc = codec.encode(jnp.ones(n))
+            size = sum(e.size * e.dtype.itemsize for e in jax.tree.leaves(enc))
+            assert codec.wire_bytes(n) == size, (name, n)
+    n = 2**20
+    assert cx.fp4(128).wire_bytes(n) / (4 * n) == pytest.approx((64 + 4) / 512)  # ~7.5x
+    sparse = cx.topk(32, 4096, cx.two_bit(32))
+    assert 4 * n / sparse.wire_bytes(n) > 150  # 0.8% density, 2-bit values + indices
+
+
+@pytest.mark.parametrize("name", ["int8", "fp4", "topk_2bit"])
+def test_compressed_collective_is_the_mean_of_the_decoded_payloads(name):
+    codec = CODECS[name]
+    rng = np.random.default_rng(1)
+    payload = {"a": jnp.asarray(rng.normal(size=(4, 70)), jnp.float32), "b": jnp.ones((4, 3))}
+    got = jax.vmap(cx.all_gather_compressed(codec), axis_name="replica")(payload)
+    decoded = jax.vmap(lambda p: cx.roundtrip_tree(codec, p))(payload)
+    want = jax.tree.map(lambda x: jnp.broadcast_to(x.mean(0), x.shape), decoded)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7), got, want)
+
+
+def test_compressed_collective_moves_the_compressed_dtype(tmp_path):
+    """In compiled HLO the replica all-gathers carry int8 values and float32 scales only."""
+    mesh = harness.make_mesh(replica=4, data=2)
+    codec = cx.int8(block=128)
+    outer = co2jax.diloco(optax.sgd(0.7), reduce=cx.all_gather_compressed(codec))
+    problem = tb.make_problem(replicas=4, examples=2)
+    round_fn = harness.shard_round(outer, optax.sgd(0.1), mesh, 3)
+    params = harness.initial_params(problem)
+    state = jax.vmap(outer.init)(params)
+    inner = jax.vmap(optax.sgd(0.1).init)(params)
+    rep = jax.sharding.PartitionSpec("replica")
+    args = [harness.place(t, mesh, rep) for t in (params, inner, state)]
+    args.append(harness.place(jnp.asarray(problem.d), mesh, rep))
+    args.append(
+        harness.place(jnp.asarray(problem.c), mesh, jax.sharding.PartitionSpec("replica", "data"))
+    )
+    text = round_fn.lower(*args).compile().as_text()
+    found = co2jax.hlo.over_axis(co2jax.hlo.collectives(text), mesh, "replica")
+    gathers = [c for c in found if c.op == "all-gather"]
+    assert gathers and not [c for c in found if c.op == "all-reduce"]
+    dtypes = {dtype for c in gathers for dtype, _ in c.shapes}
+    assert dtypes == {"s8", "f32"}, gathers  # int8 values, float32 scales
+    n = harness.flatten(params).shape[-1]
+    assert sum(c.bytes for c in gathers) == 4 * cx.int8(128).wire_bytes(n)  # R payloads
+
+
+def _ef_anchor(codec, use_ef, rounds=200):
+    """DiLoCo on the textbook quadratic; the anchor averaged over the last half of the run."""
+    problem = tb.make_problem(replicas=4, examples=2)
+    outer = co2jax.diloco(optax.sgd(0.7, momentum=0.5), reduce=cx.all_gather_compressed(codec))
+    if use_ef:
+        outer = cx.error_feedback(outer, codec)
+    got, _ = harness.run_vmap(outer, problem, 0.1, 3, rounds)
+    return got[rounds // 2 :].mean(axis=0)
+
+
+def test_error_feedback_recovers_the_uncompressed_fixed_point():
+    """Heterogeneous replicas: at DiLoCo's fixed point each replica's pseudo-gradient is
+    non-zero and only their mean vanishes. Keeping one element in 8 (2-bit) biases the anchor
+    away from it; with error feedback the anchor oscillates around the fixed point (bounded
+    residual), and its average over rounds lands on it."""
+    codec = cx.topk(1, chunk=8, values=cx.two_bit(block=4))
+    exact = _ef_anchor(cx.none(), False)
+    err_ef = np.abs(_ef_anchor(codec, True) - exact).max()
+    err_plain = np.abs(_ef_anchor(codec, False) - exact).max()
+    assert err_ef < 1e-2, err_ef
+    assert err_plain > 50 * err_ef, (err_plain, err_ef)
+
+
+def test_compression_none_is_uncompressed():
+    problem = tb.make_problem(replicas=4, examples=2)
+    plain, _ = harness.run_vmap(co2jax.diloco(optax.sgd(0.7)), problem, 0.1, 3, 5)
+    outer = cx.error_feedback(
+        co2jax.diloco(optax.sgd(0.7), reduce=cx.all_gather_compressed(cx.none())), cx.none()
+    )
+    got, _ = harness.run_vmap(outer, problem, 0.1, 3, 5)
+    np.testing.assert_allclose(got, plain, rtol=1e-6, atol=1e-7)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="compression"):
+        cx.make("fp3")
+    with pytest.raises(ValueError, match="k=9"):
+        cx.topk(9, chunk=8)
+    with pytest.raises(ValueError, match="block"):
+        cx.fp4(block=3)
+    with pytest.raises(ValueError, match="decay"):
+        cx.error_feedback(co2jax.local_sgd(), cx.none(), decay=2.0)
+
+
+@pytest.mark.parametrize("shard_outer_state", [False, True], ids=["whole", "sharded"])
+def test_round_engine_keeps_the_compressed_collective(shard_outer_state):
+    """reducer="auto" keeps an algorithm's compressed collective, and bytes_communicated is
+    the encoded size; the run equals the same algorithm under vmap."""
+    from test_engine import run_engine
+
+    problem = tb.make_problem(replicas=4, examples=2)
+    mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
+    codec = cx.int8(block=4)
+
+    def make():
+        reduce = cx.all_gather_compressed(codec)
+        return cx.error_feedback(
+            co2jax.diloco(co2jax.outer_sgd(0.7, 0.9, True), reduce=reduce), codec
+        )
+
+    got, _, metrics, trainer = run_engine(
+        make(), problem, mesh, shard_outer_state=shard_outer_state
+    )
+    assert trainer.reducer_kind == "outer"
+    want, _ = harness.run_vmap(make(), problem, 0.1, 3, 5)
+    if shard_outer_state:  # other quantization blocks (per data shard): close, not equal
+        np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # 5 parameters: 2 int8 blocks of 4 (8 bytes) + 2 float32 scales, to 3 other replicas
+    np.testing.assert_array_equal(metrics[0].bytes_communicated, [3 * (8 + 8)] * 4)
