@@ -69,12 +69,16 @@ class Codec(NamedTuple):
       decode: ``decode(encoded, n) -> x_hat``, the float32 vector of length n.
       wire_bytes: ``wire_bytes(n) -> int``: the encoded size of n elements (values, scales,
         indices), what a replica puts on the wire.
+      decode_mean: optional ``decode_mean(gathered, n)``: the float32 mean of R encoded
+        payloads stacked on a leading axis, in one pass (a fused kernel); ``None`` decodes
+        them one by one.
     """
 
     name: str
     encode: Callable[[jax.Array], Any]
     decode: Callable[[Any, int], jax.Array]
     wire_bytes: Callable[[int], int]
+    decode_mean: Callable[[Any, int], jax.Array] | None = None
 
     def roundtrip(self, x: jax.Array) -> jax.Array:
         """``decode(encode(x))`` for a vector."""
@@ -151,8 +155,13 @@ def fp8(block: int = 128) -> Codec:
     return Codec("fp8", encode, decode, lambda n: _nblocks(n, block) * (block + 4))
 
 
-def int8(block: int = 128) -> Codec:
-    """Symmetric int8 with a float32 scale per ``block`` elements (``max|x|`` maps to 127)."""
+def int8(block: int = 128, implementation: str = "auto") -> Codec:
+    """Symmetric int8 with a float32 scale per ``block`` elements (``max|x|`` maps to 127).
+
+    With ``block=128`` the compressed collective decodes and averages the R gathered payloads
+    with the Pallas kernel :func:`co2jax.kernels.quantize.dequantize_mean_int8` as
+    ``implementation`` says (``"auto"``: the kernel on TPU, XLA elsewhere).
+    """
     block = _check_block(block)
 
     def encode(x):
@@ -164,7 +173,18 @@ def int8(block: int = 128) -> Codec:
         q, scale = enc
         return (q.astype(jnp.float32) * scale[:, None]).reshape(-1)[:n]
 
-    return Codec("int8", encode, decode, lambda n: _nblocks(n, block) * (block + 4))
+    decode_mean = None
+    if block == 128:
+
+        def decode_mean(gathered, n):
+            from co2jax.kernels.quantize import dequantize_mean_int8
+
+            q, scale = gathered
+            mean = dequantize_mean_int8(q, scale, implementation=implementation)
+            return mean.reshape(-1)[:n]
+
+    wire = lambda n: _nblocks(n, block) * (block + 4)
+    return Codec("int8", encode, decode, wire, decode_mean)
 
 
 def _signed_codes(xb, scale, magnitude_code):
@@ -365,6 +385,8 @@ def all_gather_compressed(codec: Codec, axis_name: str = REPLICA_AXIS) -> Reduce
         flat, unflatten = flatten(leaves)
         encoded = codec.encode(flat)
         gathered = jax.tree.map(lambda e: jax.lax.all_gather(e, axis_name), encoded)
+        if codec.decode_mean is not None:
+            return unflatten(codec.decode_mean(gathered, flat.size))
         total = jnp.zeros_like(flat)
         for i in range(r):
             total = total + codec.decode(jax.tree.map(lambda e, i=i: e[i], gathered), flat.size)

@@ -190,6 +190,11 @@ def test_streaming_simulation_hides_each_fragment_behind_tau_steps():
     assert full == pytest.approx(2.0) and hidden == pytest.approx(1.0)
 
 
+@pytest.fixture(scope="module")
+def plain_diloco(tmp_path_factory):
+    return train.train(_micro(tmp_path_factory.mktemp("plain"), "outer.algorithm=diloco"))
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -199,8 +204,8 @@ def test_streaming_simulation_hides_each_fragment_behind_tau_steps():
     ],
     ids=["streaming_fp4", "diloco_int8_ef", "sparseloco"],
 )
-def test_compressed_algorithms_run_and_send_fewer_bytes(overrides, tmp_path):
-    plain = train.train(_micro(tmp_path / "plain", "outer.algorithm=diloco"))
+def test_compressed_algorithms_run_and_send_fewer_bytes(overrides, plain_diloco, tmp_path):
+    plain = plain_diloco
     result = train.train(_micro(tmp_path / "c", *overrides))
     last = result.history[-1]
     assert np.isfinite(last["eval_loss"])

@@ -229,3 +229,26 @@ def test_engine_runs_the_mosaic_kernel_on_the_delayed_path(mesh):
     loop = seq.index("while")
     assert min(i for i, op in enumerate(seq) if op.endswith("-start")) < loop, seq
     assert not _entry_replica_sync(text, mesh), seq
+
+
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_int8_kernels_compile_for_tpu(replicas, mesh):
+    """Mosaic compiles the int8 quantize and the dequantize-and-average kernels (int8
+    (32, 128) tiles, a (rows, 1) scale column)."""
+    from jax.sharding import SingleDeviceSharding
+
+    from co2jax.kernels import api
+    from co2jax.kernels import quantize as qk
+
+    device = SingleDeviceSharding(mesh.devices.flat[0])
+    rows = 4096 + 96  # a ragged last block
+    x = jax.ShapeDtypeStruct((rows, 128), jnp.float32, sharding=device)
+    q = jax.ShapeDtypeStruct((replicas, rows, 128), jnp.int8, sharding=device)
+    s = jax.ShapeDtypeStruct((replicas, rows), jnp.float32, sharding=device)
+    with api.target_backend("tpu"):
+        for fn, args in [
+            (lambda x: qk.quantize_int8(x, implementation="pallas"), (x,)),
+            (lambda q, s: qk.dequantize_mean_int8(q, s, implementation="pallas"), (q, s)),
+        ]:
+            text = jax.jit(fn).lower(*args).compile().as_text()
+            assert "tpu_custom_call" in text
