@@ -116,17 +116,36 @@ def simulated_round_s(
     return compute + comm
 
 
-def run_sweep(base: config_lib.Config, out: Path, link: Link, sweep=SWEEP) -> list[dict]:
+def run_sweep(
+    base: config_lib.Config, out: Path, link: Link, sweep=SWEEP, seeds: int = 1
+) -> list[dict]:
+    """One row per entry of ``sweep``. With ``seeds > 1`` each entry also runs with
+    ``train.seed`` + 1, + 2, ...: the row keeps the first seed's curves and reports the final
+    eval loss's mean and seed-to-seed standard deviation."""
     from experiments import train
 
     rows = []
     for label, overrides in sweep:
-        cfg = config_lib.override(base, [*overrides, f"name={base.name}-{_slug(label)}"])
-        began = time.perf_counter()
-        result = train.train(cfg, out_dir=str(out / "runs" / _slug(label)))
-        elapsed = time.perf_counter() - began
-        rows.append(_summarise(label, cfg, result.history, result.entropy_rate, link, elapsed))
-        print(f"  {label:<24} eval {rows[-1]['eval_loss']:.4f}  ({rows[-1]['run_s']:.0f}s)")
+        losses, row = [], None
+        for k in range(seeds):
+            seed = base.train.seed + k
+            name = f"{base.name}-{_slug(label)}" + (f"-seed{seed}" if k else "")
+            cfg = config_lib.override(base, [*overrides, f"name={name}", f"train.seed={seed}"])
+            began = time.perf_counter()
+            run_dir = out / "runs" / (_slug(label) + (f"-seed{seed}" if k else ""))
+            result = train.train(cfg, out_dir=str(run_dir))
+            elapsed = time.perf_counter() - began
+            losses.append(result.history[-1]["eval_loss"])
+            if row is None:
+                row = _summarise(label, cfg, result.history, result.entropy_rate, link, elapsed)
+        row["seed_losses"] = losses
+        row["eval_loss"] = float(np.mean(losses))
+        row["eval_std"] = float(np.std(losses, ddof=1)) if seeds > 1 else None
+        if row["entropy"] is not None:
+            row["excess"] = row["eval_loss"] - row["entropy"]
+        rows.append(row)
+        spread = "" if seeds == 1 else f" +- {row['eval_std']:.4f} ({seeds} seeds)"
+        print(f"  {label:<24} eval {row['eval_loss']:.4f}{spread}  ({row['run_s']:.0f}s)")
     return rows
 
 
@@ -195,6 +214,7 @@ def write_report(rows: list[dict], base: config_lib.Config, out: Path, link: Lin
         plt.close(fig)
         plots.append(name)
 
+    seeds = len(rows[0].get("seed_losses", [None])) if rows else 1
     lines = [
         f"# co2jax comparison: {base.name}",
         "",
@@ -204,7 +224,13 @@ def write_report(rows: list[dict], base: config_lib.Config, out: Path, link: Lin
         + (f" (entropy floor {rows[0]['entropy']:.4f} nats/token)" if rows[0]["entropy"] else "")
         + ".",
         f"Simulated link: {link.bandwidth_gbps} Gbit/s, {link.latency_ms} ms latency, overlap "
-        f"slows compute by {link.overlap_slowdown:.1%}.",
+        f"slows compute by {link.overlap_slowdown:.1%}."
+        + (
+            f" Eval loss: mean ± standard deviation over {seeds} seeds (the other columns:"
+            " the first seed)."
+            if seeds > 1
+            else " One seed per algorithm (`--seeds N` for the seed-to-seed spread)."
+        ),
         "",
         "| algorithm | eval loss | excess over entropy | MB sent / replica | vs DDP | tokens/s "
         "(measured) | simulated wall clock (s) |",
@@ -215,8 +241,11 @@ def write_report(rows: list[dict], base: config_lib.Config, out: Path, link: Lin
         ratio = (
             f"{r['bytes_total'] / ddp['bytes_total']:.4f}" if ddp and ddp["bytes_total"] else "n/a"
         )
+        loss = f"{r['eval_loss']:.4f}"
+        if r.get("eval_std") is not None:
+            loss += f" ± {r['eval_std']:.4f}"
         lines.append(
-            f"| {r['label']} | {r['eval_loss']:.4f} | {excess} | {r['bytes_total'] / 1e6:.2f} "
+            f"| {r['label']} | {loss} | {excess} | {r['bytes_total'] / 1e6:.2f} "
             f"| {ratio} | {r['tokens_per_s']:,.0f} | {r['sim_s']:.1f} |"
         )
     lines += ["", PUBLISHED, "", *[f"![{p}]({p})" for p in plots], ""]
@@ -233,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bandwidth-gbps", type=float, default=1.0)
     parser.add_argument("--latency-ms", type=float, default=10.0)
     parser.add_argument("--overlap-slowdown", type=float, default=0.189)
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="runs per algorithm (train.seed, +1, ...)"
+    )
     parser.add_argument("overrides", nargs="*", help="section.field=value, for every run")
     args = parser.parse_args(argv)
     for name, value in [
@@ -241,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     ]:
         if not value > 0:
             parser.error(f"{name} must be > 0, got {value}")
+    if args.seeds < 1:
+        parser.error(f"--seeds must be >= 1, got {args.seeds}")
     base = config_lib.override(
         config_lib.preset(args.preset), ["log.progress=false", *args.overrides]
     )
@@ -248,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out or f"results/{args.preset}")
     link = Link(args.bandwidth_gbps, args.latency_ms, args.overlap_slowdown)
     print(f"co2jax compare: preset {args.preset}, {len(SWEEP)} runs, writing {out}/report.md")
-    rows = run_sweep(base, out, link)
+    rows = run_sweep(base, out, link, seeds=args.seeds)
     path = write_report(rows, base, out, link)
     print(path.read_text().split("\n\n")[2])
     print(f"report: {path}")

@@ -136,6 +136,18 @@ def test_report_writes_table_and_plots(tmp_path):
         assert (tmp_path / name).stat().st_size > 1000
 
 
+def test_report_with_seed_spread(tmp_path):
+    base = _micro(tmp_path / "runs", "log.progress=false")
+    link = compare.Link()
+    rows = compare.run_sweep(base, tmp_path, link, [("DiLoCo", ["outer.algorithm=diloco"])], 2)
+    (row,) = rows
+    assert len(row["seed_losses"]) == 2 and row["seed_losses"][0] != row["seed_losses"][1]
+    assert row["eval_loss"] == pytest.approx(np.mean(row["seed_losses"]))
+    assert row["eval_std"] > 0
+    text = compare.write_report(rows, base, tmp_path, link).read_text()
+    assert "±" in text and "over 2 seeds" in text
+
+
 def test_cost_model():
     link = compare.Link(bandwidth_gbps=1.0, latency_ms=0.0, overlap_slowdown=0.0)
     comm = link.allreduce_s(1e9 / 8, 2)  # 1 Gbit payload, 2 replicas: 1 s
