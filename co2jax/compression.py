@@ -494,3 +494,56 @@ def error_feedback(outer: OuterOptimizer, codec: Codec, decay: float = 1.0) -> O
         return new_params, ErrorFeedbackState(inner, residual)
 
     return make_outer_optimizer(init, payload, apply, outer.reduce, outer.staleness)
+
+
+class StreamingErrorFeedbackState(NamedTuple):
+    """State of :func:`error_feedback_streaming`: the wrapped Streaming DiLoCo state and one
+    residual per fragment (float32, replica-varying)."""
+
+    inner_state: Any
+    residuals: tuple[Any, ...]
+
+    @property
+    def anchor(self) -> Any:
+        return self.inner_state.anchor
+
+
+def error_feedback_streaming(outer: Any, codec: Codec, decay: float = 1.0) -> Any:
+    """:func:`error_feedback` for :func:`co2jax.streaming_diloco`: one residual per fragment.
+
+    Fragment p sends ``c = D(C(Delta_p + decay * e_p))`` and keeps ``e_p <- Delta_p + decay *
+    e_p - c``. Reduce with :func:`all_gather_compressed` of the same codec (``reduce=`` of
+    ``streaming_diloco``) so that only the compressed bytes cross the wire.
+    """
+    if not (0.0 <= float(decay) <= 1.0):
+        raise ValueError(f"decay must be in [0, 1], got decay={decay!r}")
+    count = outer.fragments.count
+
+    def init(params):
+        inner = outer.init(params)
+        residuals = tuple(
+            [jnp.zeros(x.shape, jnp.float32) for x in outer.payload(params, inner, p)]
+            for p in range(count)
+        )
+        return StreamingErrorFeedbackState(inner, residuals)
+
+    def _compressed(params, state, p):
+        payload = outer.payload(params, state.inner_state, p)
+        target = [
+            x.astype(jnp.float32) + decay * e
+            for x, e in zip(payload, state.residuals[p], strict=True)
+        ]
+        sent = roundtrip_tree(codec, target)
+        residual = [t - c for t, c in zip(target, sent, strict=True)]
+        return [c.astype(x.dtype) for c, x in zip(sent, payload, strict=True)], residual
+
+    def payload(params, state, p):
+        return _compressed(params, state, p)[0]
+
+    def apply(params, state, p, reduced):
+        _, residual = _compressed(params, state, p)
+        new_params, inner = outer.apply(params, state.inner_state, p, reduced)
+        residuals = (*state.residuals[:p], residual, *state.residuals[p + 1 :])
+        return new_params, StreamingErrorFeedbackState(inner, residuals)
+
+    return outer._replace(init=init, payload=payload, apply=apply)
