@@ -72,6 +72,7 @@ class Codec(NamedTuple):
       decode_mean: optional ``decode_mean(gathered, n)``: the float32 mean of R encoded
         payloads stacked on a leading axis, in one pass (a fused kernel); ``None`` decodes
         them one by one.
+      block: elements per scale block, for the formats that have one.
     """
 
     name: str
@@ -79,6 +80,7 @@ class Codec(NamedTuple):
     decode: Callable[[Any, int], jax.Array]
     wire_bytes: Callable[[int], int]
     decode_mean: Callable[[Any, int], jax.Array] | None = None
+    block: int | None = None
 
     def roundtrip(self, x: jax.Array) -> jax.Array:
         """``decode(encode(x))`` for a vector."""
@@ -104,17 +106,23 @@ def _safe(scale: jax.Array) -> jax.Array:
 
 
 def _pack(codes: jax.Array, bits: int) -> jax.Array:
-    """uint8 codes (< 2**bits) packed 8 // bits per byte, little end first."""
+    """uint8 codes ``[blocks, B]`` (each < 2**bits) packed ``8 // bits`` per byte by planes:
+    byte j of a block holds codes j, j + B/per, j + 2B/per, ... (lowest bits first), so a
+    block of 128 packs its lane halves (or quarters) together, as the Pallas kernels of
+    :mod:`co2jax.kernels.quantize` do."""
     per = 8 // bits
-    codes = codes.reshape(-1, per).astype(jnp.uint8)
-    shifts = jnp.arange(per, dtype=jnp.uint8) * bits
-    return jnp.sum(codes << shifts, axis=1, dtype=jnp.uint8)
+    blocks, width = codes.shape
+    planes = codes.reshape(blocks, per, width // per).astype(jnp.uint8)
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)[None, :, None]
+    return jnp.sum(planes << shifts, axis=1, dtype=jnp.uint8)
 
 
 def _unpack(packed: jax.Array, bits: int) -> jax.Array:
+    """Inverse of :func:`_pack`: ``[blocks, B / per]`` bytes -> ``[blocks, B]`` codes."""
     per = 8 // bits
-    shifts = jnp.arange(per, dtype=jnp.uint8) * bits
-    return ((packed[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)[None, :, None]
+    planes = (packed[:, None, :] >> shifts) & ((1 << bits) - 1)
+    return planes.reshape(packed.shape[0], -1)
 
 
 def _check_block(block: int, multiple: int = 1) -> int:
@@ -158,14 +166,19 @@ def fp8(block: int = 128) -> Codec:
 def int8(block: int = 128, implementation: str = "auto") -> Codec:
     """Symmetric int8 with a float32 scale per ``block`` elements (``max|x|`` maps to 127).
 
-    With ``block=128`` the compressed collective decodes and averages the R gathered payloads
-    with the Pallas kernel :func:`co2jax.kernels.quantize.dequantize_mean_int8` as
-    ``implementation`` says (``"auto"``: the kernel on TPU, XLA elsewhere).
+    With ``block=128`` encoding (:func:`co2jax.kernels.quantize.quantize_int8`) and the
+    compressed collective's decode-and-average of the R gathered payloads
+    (:func:`co2jax.kernels.quantize.dequantize_mean_int8`) run the Pallas kernels as
+    ``implementation`` says (``"auto"``: the kernels on TPU, XLA elsewhere).
     """
     block = _check_block(block)
 
     def encode(x):
         xb = _blocks(x, block)
+        if _uses_kernel(block, implementation):
+            from co2jax.kernels.quantize import quantize_int8
+
+            return quantize_int8(xb, implementation=implementation)
         scale = _absmax_scale(xb, 127.0)
         return jnp.round(xb / _safe(scale)).astype(jnp.int8), scale
 
@@ -184,7 +197,7 @@ def int8(block: int = 128, implementation: str = "auto") -> Codec:
             return mean.reshape(-1)[:n]
 
     wire = lambda n: _nblocks(n, block) * (block + 4)
-    return Codec("int8", encode, decode, wire, decode_mean)
+    return Codec("int8", encode, decode, wire, decode_mean, block)
 
 
 def _signed_codes(xb, scale, magnitude_code):
@@ -193,8 +206,40 @@ def _signed_codes(xb, scale, magnitude_code):
     return jnp.where(xb < 0, code | 8, code).astype(jnp.uint8)
 
 
-def fp4(block: int = 128) -> Codec:
-    """FP4 E3M0: sign and a power of two ``s * 2**-k`` (k = 0..6) or zero, ``s = max|x|``."""
+def _uses_kernel(block: int, implementation: str) -> bool:
+    """Whether a ``block=128`` codec runs its Pallas kernels (``implementation`` resolved
+    as in :mod:`co2jax.kernels.quantize`: ``"auto"`` is the kernel on TPU only)."""
+    from co2jax.kernels.quantize import _resolve
+
+    return block == 128 and _resolve(implementation)[0] != "xla"
+
+
+def _packed_kernels(fmt: str, block: int, implementation: str, encode, decode_mean_default):
+    """The encode and decode_mean of a packed format, through the kernels when they apply."""
+
+    def kernel_encode(x):
+        from co2jax.kernels.quantize import quantize_packed
+
+        if not _uses_kernel(block, implementation):
+            return encode(x)
+        return quantize_packed(_blocks(x, block), fmt, implementation=implementation)
+
+    def decode_mean(gathered, n):
+        from co2jax.kernels.quantize import dequantize_mean_packed
+
+        packed, scale = gathered
+        mean = dequantize_mean_packed(packed, scale, fmt, implementation=implementation)
+        return mean.reshape(-1)[:n]
+
+    return kernel_encode, (decode_mean if block == 128 else decode_mean_default)
+
+
+def fp4(block: int = 128, implementation: str = "auto") -> Codec:
+    """FP4 E3M0: sign and a power of two ``s * 2**-k`` (k = 0..6) or zero, ``s = max|x|``.
+
+    With ``block=128`` encoding and the collective's decode-and-average run the Pallas
+    kernels of :mod:`co2jax.kernels.quantize` as ``implementation`` says (``"auto"``: on TPU).
+    """
     block = _check_block(block, 2)
     levels = 2.0 ** np.arange(-6, 1)  # code c in 1..7 is 2**(c - 7)
 
@@ -207,21 +252,24 @@ def fp4(block: int = 128) -> Codec:
         xb = _blocks(x, block)
         scale = jnp.max(jnp.abs(xb), axis=1)
         codes = _signed_codes(xb, scale, magnitude_code)
-        return _pack(codes.reshape(-1), 4), scale
+        return _pack(codes, 4), scale
 
     def decode(enc, n):
         packed, scale = enc
-        codes = _unpack(packed, 4).reshape(scale.shape[0], -1)
+        codes = _unpack(packed, 4)
         c = codes & 7
         mag = jnp.where(c > 0, 2.0 ** (c.astype(jnp.float32) - 7.0), 0.0)
         value = jnp.where(codes >= 8, -mag, mag) * scale[:, None]
         return value.reshape(-1)[:n]
 
-    return Codec("fp4", encode, decode, lambda n: _nblocks(n, block) * (block // 2 + 4))
+    encode, decode_mean = _packed_kernels("fp4", block, implementation, encode, None)
+    wire = lambda n: _nblocks(n, block) * (block // 2 + 4)
+    return Codec("fp4", encode, decode, wire, decode_mean)
 
 
-def two_bit(block: int = 128) -> Codec:
-    """Ternary in 2 bits: ``s * {-1, 0, 1}`` with ``s = max|x|`` per block."""
+def two_bit(block: int = 128, implementation: str = "auto") -> Codec:
+    """Ternary in 2 bits: ``s * {-1, 0, 1}`` with ``s = max|x|`` per block (``block=128``:
+    the Pallas kernels, as for :func:`fp4`)."""
     block = _check_block(block, 4)
 
     def encode(x):
@@ -229,15 +277,17 @@ def two_bit(block: int = 128) -> Codec:
         scale = jnp.max(jnp.abs(xb), axis=1)
         r = xb / _safe(scale)
         codes = jnp.where(r >= 0.5, 1, jnp.where(r <= -0.5, 2, 0)).astype(jnp.uint8)
-        return _pack(codes.reshape(-1), 2), scale
+        return _pack(codes, 2), scale
 
     def decode(enc, n):
         packed, scale = enc
-        codes = _unpack(packed, 2).reshape(scale.shape[0], -1)
+        codes = _unpack(packed, 2)
         value = jnp.where(codes == 1, 1.0, jnp.where(codes == 2, -1.0, 0.0))
         return (value * scale[:, None]).reshape(-1)[:n]
 
-    return Codec("2bit", encode, decode, lambda n: _nblocks(n, block) * (block // 4 + 4))
+    encode, decode_mean = _packed_kernels("2bit", block, implementation, encode, None)
+    wire = lambda n: _nblocks(n, block) * (block // 4 + 4)
+    return Codec("2bit", encode, decode, wire, decode_mean)
 
 
 def topk(k: int, chunk: int = 4096, values: Codec | None = None) -> Codec:
@@ -350,9 +400,15 @@ def tree_wire_bytes(codec: Codec, tree: Any) -> int:
 # the compressed collective and error feedback
 
 
-def _grouped(reduce_group: Callable[[list[jax.Array], int], list[jax.Array]], codec, axis_name):
+def _grouped(
+    reduce_group: Callable[[list[jax.Array], int], list[jax.Array]],
+    codec: Codec,
+    axis_name: str,
+    wire_bytes: Callable[[int, int], float],
+):
     """A reducer running ``reduce_group(leaves, R)`` per :func:`by_varying_axes` group, with
-    ``reduce.codec`` set for byte accounting."""
+    ``reduce.codec`` and ``reduce.wire_bytes(n, R)`` (bytes one replica sends to reduce n
+    elements over R replicas) set for byte accounting."""
 
     def reduce(payload: Any) -> Any:
         r = check_axis(axis_name)
@@ -361,7 +417,13 @@ def _grouped(reduce_group: Callable[[list[jax.Array], int], list[jax.Array]], co
         return by_varying_axes(payload, lambda leaves: reduce_group(leaves, r))
 
     reduce.codec = codec
+    reduce.wire_bytes = wire_bytes
     return reduce
+
+
+def _gather_bytes(codec: Codec) -> Callable[[int, int], float]:
+    # a ring all-gather forwards every other replica's encoded payload
+    return lambda n, r: float(codec.wire_bytes(n) * (r - 1)) if r > 1 else 0.0
 
 
 def all_gather_compressed(codec: Codec, axis_name: str = REPLICA_AXIS) -> Reducer:
@@ -392,7 +454,64 @@ def all_gather_compressed(codec: Codec, axis_name: str = REPLICA_AXIS) -> Reduce
             total = total + codec.decode(jax.tree.map(lambda e, i=i: e[i], gathered), flat.size)
         return unflatten(total / r)
 
-    return _grouped(reduce_group, codec, axis_name)
+    reduce = _grouped(reduce_group, codec, axis_name, _gather_bytes(codec))
+    if codec.name == "int8" and codec.block == 128:
+        # the same format in the fused update's layout: a pseudo-gradient method whose update
+        # runs the kernel dequantizes, averages and steps in one pass
+        from co2jax.reducers import all_gather_stacked
+
+        reduce.stacked = lambda implementation: all_gather_stacked(
+            axis_name, quantize="int8", implementation=implementation
+        )
+    return reduce
+
+
+def all_reduce_compressed(codec: Codec, axis_name: str = REPLICA_AXIS) -> Reducer:
+    """A compressed all-reduce in two steps (reduce-scatter, then all-gather), each sending
+    ``codec``-encoded data.
+
+    The flattened payload is cut into R shards of ``m = ceil(n / R)`` elements. Each replica
+    encodes its R shards and sends shard i to replica i (an all-to-all of encoded shards: the
+    reduce-scatter); replica i decodes the R copies of its shard and averages them in
+    float32, encodes that mean and all-gathers it; every replica decodes the R mean shards.
+
+    .. math::
+
+        \\bar x_i = D\\Big(C\\Big(\\frac1R \\sum_r D(C(x_{r,i}))\\Big)\\Big)
+
+    A replica sends ``2 (R-1)`` encoded shards, ``~2 (R-1)/R`` times the encoded payload: what
+    a ring all-reduce sends uncompressed, against ``R-1`` times for
+    :func:`all_gather_compressed`. The price is the second quantization (of the mean), which
+    error feedback on the replicas does not see. Every replica ends with the same values.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> reduce = all_reduce_compressed(int8(block=2))
+      >>> jax.vmap(reduce, axis_name="replica")(jnp.array([[1.0, 0.5], [3.0, -0.5]]))
+      Array([[2., 0.],
+             [2., 0.]], dtype=float32)
+    """
+    check_axis_name("axis_name", axis_name)
+
+    def reduce_group(leaves: list[jax.Array], r: int) -> list[jax.Array]:
+        flat, unflatten = flatten(leaves)
+        n = flat.size
+        m = -(-n // r)
+        shards = jnp.pad(flat, (0, r * m - n)).reshape(r, m)
+        encoded = jax.vmap(codec.encode)(shards)  # leading axis: the destination replica
+        mine = jax.lax.all_to_all(encoded, axis_name, 0, 0)  # leading axis: the source
+        if codec.decode_mean is not None:
+            mean = codec.decode_mean(mine, m)
+        else:
+            mean = jnp.mean(jax.vmap(lambda e: codec.decode(e, m))(mine), axis=0)
+        gathered = jax.lax.all_gather(codec.encode(mean), axis_name)
+        decoded = jax.vmap(lambda e: codec.decode(e, m))(gathered)
+        return unflatten(decoded.reshape(-1)[:n])
+
+    def wire_bytes(n: int, replicas: int) -> float:
+        return 2.0 * (replicas - 1) * codec.wire_bytes(-(-n // replicas)) if replicas > 1 else 0.0
+
+    return _grouped(reduce_group, codec, axis_name, wire_bytes)
 
 
 def all_gather_topk(
@@ -431,7 +550,22 @@ def all_gather_topk(
             count = count + support.reshape(-1)[: flat.size]
         return unflatten(total / jnp.maximum(count, 1.0))
 
-    return _grouped(reduce_group, codec, axis_name)
+    return _grouped(reduce_group, codec, axis_name, _gather_bytes(codec))
+
+
+def _feedback(codec: Codec, decay: float, payload: Any, residual: Any) -> tuple[Any, Any]:
+    """One error-feedback step: ``target = payload + decay * residual`` is compressed;
+    returns what is sent, ``D(C(target))`` in the payload's dtypes, and the new residual
+    ``target - D(C(target))`` (float32).
+
+    Both the payload and the apply step of a wrapper call this on the same inputs; inside
+    one jitted program XLA computes it once (common-subexpression elimination, checked in
+    ``tests/test_compression.py``), so a round encodes the target once.
+    """
+    target = jax.tree.map(lambda x, e: x.astype(jnp.float32) + decay * e, payload, residual)
+    sent = roundtrip_tree(codec, target)
+    new_residual = jax.tree.map(lambda t, c: t - c.astype(jnp.float32), target, sent)
+    return jax.tree.map(lambda c, x: c.astype(x.dtype), sent, payload), new_residual
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -475,21 +609,12 @@ def error_feedback(outer: OuterOptimizer, codec: Codec, decay: float = 1.0) -> O
         residual = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
         return ErrorFeedbackState(inner, residual)
 
-    def _compressed(params, state):
-        payload = outer.payload(params, state.inner_state)
-        target = jax.tree.map(
-            lambda p, e: p.astype(jnp.float32) + decay * e, payload, state.residual
-        )
-        sent = roundtrip_tree(codec, target)
-        residual = jax.tree.map(lambda t, s: t - s.astype(jnp.float32), target, sent)
-        sent = jax.tree.map(lambda s, p: s.astype(p.dtype), sent, payload)
-        return sent, residual
-
     def payload(params, state):
-        return _compressed(params, state)[0]
+        return _feedback(codec, decay, outer.payload(params, state.inner_state), state.residual)[0]
 
     def apply(params, state, reduced):
-        _, residual = _compressed(params, state)
+        payload = outer.payload(params, state.inner_state)
+        _, residual = _feedback(codec, decay, payload, state.residual)
         new_params, inner = outer.apply(params, state.inner_state, reduced)
         return new_params, ErrorFeedbackState(inner, residual)
 
@@ -527,21 +652,15 @@ def error_feedback_streaming(outer: Any, codec: Codec, decay: float = 1.0) -> An
         )
         return StreamingErrorFeedbackState(inner, residuals)
 
-    def _compressed(params, state, p):
-        payload = outer.payload(params, state.inner_state, p)
-        target = [
-            x.astype(jnp.float32) + decay * e
-            for x, e in zip(payload, state.residuals[p], strict=True)
-        ]
-        sent = roundtrip_tree(codec, target)
-        residual = [t - c for t, c in zip(target, sent, strict=True)]
-        return [c.astype(x.dtype) for c, x in zip(sent, payload, strict=True)], residual
-
     def payload(params, state, p):
-        return _compressed(params, state, p)[0]
+        sent, _ = _feedback(
+            codec, decay, outer.payload(params, state.inner_state, p), state.residuals[p]
+        )
+        return sent
 
     def apply(params, state, p, reduced):
-        _, residual = _compressed(params, state, p)
+        payload = outer.payload(params, state.inner_state, p)
+        _, residual = _feedback(codec, decay, payload, state.residuals[p])
         new_params, inner = outer.apply(params, state.inner_state, p, reduced)
         residuals = (*state.residuals[:p], residual, *state.residuals[p + 1 :])
         return new_params, StreamingErrorFeedbackState(inner, residuals)

@@ -525,10 +525,13 @@ class RoundTrainer:
 
     def _wire_bytes(self, kind: str, payload_shapes) -> float:
         """Bytes one replica sends to reduce one payload with the chosen reducer."""
-        codec = getattr(self.outer.reduce, "codec", None) if kind == "outer" else None
-        if codec is not None:  # all-gather of the encoded payload (values, scales, indices)
-            elements = sum(x.size for x in jax.tree.leaves(payload_shapes))
-            return _reducers.wire_bytes("all_gather", codec.wire_bytes(elements), self.replicas)
+        reduce = self.outer.reduce if kind == "outer" else None
+        by_tree = getattr(reduce, "tree_wire_bytes", None)
+        if by_tree is not None:  # a collective that knows its own layout
+            return by_tree(payload_shapes, self.replicas)
+        counted = getattr(reduce, "wire_bytes", None)
+        if counted is not None:  # a compressed collective: its encoded values, scales, indices
+            return counted(sum(x.size for x in jax.tree.leaves(payload_shapes)), self.replicas)
         payload_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(payload_shapes))
         return _reducers.wire_bytes(
             "pmean" if kind == "outer" else kind, payload_bytes, self.replicas

@@ -24,6 +24,7 @@ from co2jax._base import REPLICA_AXIS, Payload, Reducer, check_axis, check_axis_
 from co2jax.compression import flatten as _flatten
 from co2jax.kernels.api import gather_layout
 from co2jax.kernels.layout import Gathered
+from co2jax.kernels.spec import LANES
 
 KINDS = ("pmean", "all_gather", "ring")
 
@@ -56,7 +57,12 @@ def all_gather_mean(axis_name: str = REPLICA_AXIS) -> Reducer:
     return reduce
 
 
-def all_gather_stacked(axis_name: str = REPLICA_AXIS, block_sizes=None) -> Reducer:
+def all_gather_stacked(
+    axis_name: str = REPLICA_AXIS,
+    block_sizes=None,
+    quantize: str | None = None,
+    implementation: str = "auto",
+) -> Reducer:
     """All-gather every replica's payload, left un-reduced for a fused outer update.
 
     The payload is packed in the fused kernel's bucket layout (:mod:`co2jax.kernels.layout`)
@@ -64,6 +70,12 @@ def all_gather_stacked(axis_name: str = REPLICA_AXIS, block_sizes=None) -> Reduc
     returned as :class:`co2jax.kernels.Gathered`: an ``apply`` that accepts it
     (``OuterOptimizer.accepts_gathered``) averages the R payloads inside its update pass
     instead of in a fusion of their own.
+
+    With ``quantize="int8"`` each 128-lane row of the packed payload is quantized to int8
+    with a float32 scale (:func:`co2jax.kernels.quantize.quantize_int8`, run as
+    ``implementation`` says) and the codes and scales are gathered: the fused update
+    dequantizes, averages and steps in one pass. ``reduce.tree_wire_bytes(shapes, R)`` is
+    what one replica sends (the padded layout included).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -74,14 +86,34 @@ def all_gather_stacked(axis_name: str = REPLICA_AXIS, block_sizes=None) -> Reduc
       Array([3., 3., 3.], dtype=float32)
     """
     check_axis_name("axis_name", axis_name)
+    if quantize not in (None, "int8"):
+        raise ValueError(f"quantize must be None or 'int8', got quantize={quantize!r}")
 
     def reduce(payload: Payload) -> Gathered:
         check_axis(axis_name)
         layout = gather_layout(payload, block_sizes)
         dtype = jnp.result_type(*(x.dtype for x in jax.tree.leaves(payload)))
-        buffer = jax.lax.all_gather(layout.pack(payload, dtype), axis_name)
-        return Gathered(buffer, layout)
+        if quantize is None:
+            buffer = jax.lax.all_gather(layout.pack(payload, dtype), axis_name)
+            return Gathered(buffer, layout)
+        from co2jax.kernels.quantize import quantize_int8
 
+        codes, scales = quantize_int8(
+            layout.pack(payload, jnp.float32), implementation=implementation
+        )
+        codes, scales = jax.lax.all_gather((codes, scales), axis_name)
+        return Gathered(codes, layout, scales)
+
+    def tree_wire_bytes(shapes: Payload, replicas: int) -> float:
+        layout = gather_layout(shapes, block_sizes)
+        if quantize is None:
+            dtype = jnp.result_type(*(x.dtype for x in jax.tree.leaves(shapes)))
+            row = LANES * jnp.dtype(dtype).itemsize
+        else:
+            row = LANES + 4  # int8 codes and a float32 scale
+        return float(layout.total_rows * row * (replicas - 1)) if replicas > 1 else 0.0
+
+    reduce.tree_wire_bytes = tree_wire_bytes
     return reduce
 
 

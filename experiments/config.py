@@ -32,6 +32,7 @@ ALGORITHMS = (
     "sparseloco",
 )
 COMPRESSIONS = ("none", "bf16", "fp8", "int8", "fp4", "2bit")  # co2jax.compression formats
+COLLECTIVES = ("all_gather", "two_step")  # how compressed payloads are reduced
 DATA_KINDS = ("markov", "text", "stdlib", "tokens")
 PENALTIES = ("none", "constant", "gap_aware")
 IMPLEMENTATIONS = ("auto", "pallas", "interpret", "xla")  # co2jax.kernels.IMPLEMENTATIONS
@@ -95,6 +96,7 @@ class OuterConfig:
     implementation: str = "auto"  # the fused outer update's: auto | pallas | interpret | xla
     compression: str = "none"  # pseudo-gradients on the wire (diloco family, streaming)
     error_feedback: bool = False  # keep the compression residual per replica
+    collective: str = "all_gather"  # compressed: all_gather (exact mean) | two_step (RS + AG)
     fragments: int = 2  # streaming_diloco: P, strided over the transformer blocks
     tau: int = 1  # streaming_diloco: inner steps between sending and applying a fragment
     alpha: float = 0.5  # streaming_diloco: merge weight of the local values
@@ -324,6 +326,8 @@ def validate(config: Config, device_count: int | None = None) -> Config:
         _fail("outer.compression", o.compression, f"must be one of {COMPRESSIONS}")
     if o.compression != "none" and o.algorithm not in ("diloco", "streaming_diloco"):
         _fail("outer.compression", o.compression, "applies to diloco and streaming_diloco")
+    if o.collective not in COLLECTIVES:
+        _fail("outer.collective", o.collective, f"must be one of {COLLECTIVES}")
     if o.fragments < 1:
         _fail("outer.fragments", o.fragments, "must be >= 1")
     if o.algorithm == "streaming_diloco" and not 0 <= o.tau < t.sync_every // o.fragments:

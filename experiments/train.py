@@ -59,8 +59,12 @@ def build_outer(o: config_lib.OuterConfig, sync_every: int, schedule, params=Non
 
     reduce, codec = None, None
     if o.compression != "none":
-        codec = cx.make(o.compression)
-        reduce = cx.all_gather_compressed(codec)
+        kernels = (
+            {"implementation": o.implementation} if o.compression in ("int8", "fp4", "2bit") else {}
+        )
+        codec = cx.make(o.compression, **kernels)
+        collective = {"all_gather": cx.all_gather_compressed, "two_step": cx.all_reduce_compressed}
+        reduce = collective[o.collective](codec)
 
     def compressed(outer):  # the guard inside error feedback: a skip keeps the residual
         if o.skip_nonfinite:

@@ -235,6 +235,8 @@ def _pallas(spec, payload, trees, apply, gap_correction, impl, block_sizes) -> O
             arrays["gap_correction"] = _row(gap_correction)
         if buffer is not None:
             arrays["payloads"] = buffer
+            if payload.scales is not None:
+                arrays["payload_scales"] = payload.scales
             offset = seg.offset_rows // layout.block_rows
         else:
             arrays["payloads"] = layout.segment(jax.tree.leaves(payload), seg)[None]
@@ -280,14 +282,15 @@ def state_names(spec: OuterUpdateSpec) -> list[str]:
 
 
 def gathered_step(spec: OuterUpdateSpec, layout: Layout, implementation: str = "auto"):
-    """``step(buffer, state) -> state``: the fused update of a ``[R, rows, 128]`` gathered
-    buffer and a dict of state pytrees (keys from :func:`state_names`), returning the state in
-    the same structure, ready for ``jax.jit(step, donate_argnums=1)``."""
+    """``step(buffer, state, scales=None) -> state``: the fused update of a ``[R, rows, 128]``
+    gathered buffer (int8 codes with ``scales [R, rows]``, or floats) and a dict of state
+    pytrees (keys from :func:`state_names`), returning the state in the same structure, ready
+    for ``jax.jit(step, donate_argnums=1)``."""
 
-    def step(buffer: jax.Array, state: dict) -> dict:
+    def step(buffer: jax.Array, state: dict, scales: jax.Array | None = None) -> dict:
         out = outer_update(
             spec,
-            Gathered(buffer, layout),
+            Gathered(buffer, layout, scales),
             state["anchor"],
             state.get("momentum"),
             state.get("params"),

@@ -1,6 +1,7 @@
 """Bytes moved by the fused outer update against XLA's and the minimum; GB/s on a GPU.
 
-Run: ``python -m co2jax.kernels.benchmark`` (add ``--quick`` for two sizes).
+Run: ``python -m co2jax.kernels.benchmark`` (add ``--quick`` for two sizes; ``--int8`` for
+the int8-payload table: dequantize-and-average then update, against the one fused kernel).
 
 For each size N (1e6 .. 1e9 parameters), replica count R (1, 2, 4, 8), payload dtype and
 algorithm, it compiles (ahead of time, from shapes only: nothing is allocated)
@@ -132,6 +133,66 @@ def gpu_rates(spec, n, replicas, dtype, payload_dtype, repeats):
     return rates
 
 
+def _int8_programs(spec, n, replicas, backend, sharding):
+    """The three ways to step on R int8 payloads (codes ``[R, rows, 128]``, a scale per row):
+    ``xla`` (decode, mean and update in jnp), ``two kernels`` (the dequantize-mean kernel
+    writes the float32 mean, the update kernel reads it) and ``fused`` (one kernel)."""
+    from co2jax.kernels import quantize as qk
+    from co2jax.kernels.layout import Gathered
+
+    block = default_block_sizes(backend)
+    leaf = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=sharding)
+    layout = make_layout({"w": leaf}, block.block_rows)
+    rows = layout.total_rows
+    codes = jax.ShapeDtypeStruct((replicas, rows, LANES), jnp.int8, sharding=sharding)
+    scales = jax.ShapeDtypeStruct((replicas, rows), jnp.float32, sharding=sharding)
+    shapes = {x: {"w": leaf} for x in api.state_names(spec)}
+
+    def state_step(payload, state, impl):
+        out = api.outer_update(
+            spec,
+            payload,
+            *(state.get(k) for k in ("anchor", "momentum", "params", "old_pending", "gap_scale")),
+            implementation=impl,
+        )
+        return api.as_state(state, out)
+
+    def fused(c, s, state, impl):
+        return state_step(Gathered(c, layout, s), state, impl)
+
+    def two_kernels(c, s, state, impl):
+        mean = qk.dequantize_mean_int8(c, s, implementation=impl)
+        return state_step(layout.unpack(mean), state, impl)
+
+    programs = {}
+    with api.target_backend(backend):
+        for label, fn, impl in [
+            ("xla", fused, "xla"),
+            ("two kernels", two_kernels, "pallas"),
+            ("fused", fused, "pallas"),
+        ]:
+            step = jax.jit(lambda c, s, st, fn=fn, impl=impl: fn(c, s, st, impl), donate_argnums=2)
+            programs[label] = step.lower(codes, scales, shapes)
+    minimum = (
+        replicas * rows * (LANES + 4)
+        + api.minimum_bytes(spec, n, 1, jnp.float32, jnp.float32)
+        - n * 4
+    )  # the R codes and scales replace the one float32 payload
+    return programs, minimum
+
+
+def int8_table(sizes, specs, tpu) -> None:
+    """Bytes over the minimum of the int8 paths on TPU (ahead of time)."""
+    print("\n| update | N | R | TPU xla | TPU two kernels | TPU fused |")
+    print("|---|---|---|---|---|---|")
+    for name in specs:
+        for n in sizes:
+            for r in (2, 4, 8):
+                programs, minimum = _int8_programs(SPECS[name], n, r, "tpu", tpu)
+                cols = [f"{_bytes(p.compile()) / minimum:.2f}" for p in programs.values()]
+                print(f"| {name} | {n:.0e} | {r} | " + " | ".join(cols) + " |")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="sizes 1e6 and 1e7 only")
@@ -142,12 +203,22 @@ def main(argv=None):
         default="v5p:1x1x1",
         help="TPU topology for AOT compilation (v5p: 95 GiB of HBM holds 1e9 parameters)",
     )
+    parser.add_argument(
+        "--int8",
+        action="store_true",
+        help="only the int8 payload table: decode-mean then update vs one fused kernel (TPU)",
+    )
     args = parser.parse_args(argv)
     sizes = [10**6, 10**7] if args.quick else [10**6, 10**7, 10**8, 10**9]
     sizes = [-(-n // 65536) * 65536 for n in sizes]  # whole TPU blocks
     tpu = tpu_sharding(args.topology)
     gpu = jax.default_backend() == "gpu"
     print(f"backend {jax.default_backend()}; TPU AOT {args.topology if tpu else 'unavailable'}")
+    if args.int8:
+        if tpu is None:
+            parser.error("--int8 compiles for TPU ahead of time: install libtpu")
+        int8_table(sizes, args.specs.split(","), tpu)
+        return
     header = "| update | N | R | payload | CPU xla | CPU fused (blocks) | TPU xla | TPU fused |"
     if gpu:
         header += " GPU xla GB/s | GPU fused GB/s | copy GB/s |"

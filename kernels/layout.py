@@ -151,25 +151,36 @@ class Gathered:
     """The replicas' payloads, all-gathered and not yet reduced: ``buffer`` is
     ``[R, layout.total_rows, 128]`` in the layout of :meth:`Layout.pack`.
 
-    A fused outer update reads the R payloads straight from ``buffer`` and averages them in
-    its own pass; :meth:`mean` gives the averaged pytree for everything else.
+    With ``scales`` (``[R, layout.total_rows]`` float32) the buffer holds int8 codes and
+    replica r's row i is ``buffer[r, i] * scales[r, i]`` (int8 with one scale per 128-lane
+    row, :func:`co2jax.kernels.quantize.quantize_int8`).
+
+    A fused outer update reads the R payloads straight from ``buffer`` (and ``scales``) and
+    averages them in its own pass; :meth:`mean` gives the averaged pytree for everything
+    else.
     """
 
-    def __init__(self, buffer: jax.Array, layout: Layout):
+    def __init__(self, buffer: jax.Array, layout: Layout, scales: jax.Array | None = None):
         self.buffer = buffer
         self.layout = layout
+        self.scales = scales
 
     def tree_flatten(self):
-        return (self.buffer,), self.layout
+        return (self.buffer, self.scales), self.layout
 
     @classmethod
     def tree_unflatten(cls, layout, children):
-        return cls(children[0], layout)
+        return cls(children[0], layout, children[1])
 
     @property
     def replicas(self) -> int:
         return self.buffer.shape[-3]
 
+    def decoded(self) -> jax.Array:
+        """The R payloads in float32, ``[R, total_rows, 128]``."""
+        values = self.buffer.astype(jnp.float32)
+        return values if self.scales is None else values * self.scales[..., None]
+
     def mean(self) -> Any:
         """The float32 mean over replicas, as a pytree in the payload's dtypes."""
-        return self.layout.unpack(jnp.mean(self.buffer.astype(jnp.float32), axis=-3))
+        return self.layout.unpack(jnp.mean(self.decoded(), axis=-3))

@@ -63,15 +63,25 @@ def _alias_source(spec: OuterUpdateSpec, output: str) -> str | None:
     return _ALIAS.get(output)
 
 
-def _outer_update_kernel(*refs, spec: OuterUpdateSpec, replicas: int, block_rows: int, valid: int):
-    ins = _inputs(spec)
+def _outer_update_kernel(
+    *refs, spec: OuterUpdateSpec, ins: tuple[str, ...], replicas: int, block_rows: int, valid: int
+):
     r = dict(zip(ins, refs[: len(ins)], strict=True))
     o = dict(zip(_outputs(spec), refs[len(ins) :], strict=True))
     f32 = jnp.float32
 
-    g = r["payloads"][0].astype(f32)
+    def payload(k):  # replica k's block, decoded (int8 codes times the row's scale)
+        values = r["payloads"][k].astype(f32)
+        if "payload_scales" not in r:
+            return values
+        # the block's scales are lane-dense (1, block_rows): turned into a column by a
+        # transpose of the (128, block_rows) broadcast, one scale per row
+        row = r["payload_scales"][pl.ds(k, 1), :].astype(f32)
+        return values * jnp.broadcast_to(row, (LANES, row.shape[1])).T
+
+    g = payload(0)
     for k in range(1, replicas):
-        g = g + r["payloads"][k].astype(f32)
+        g = g + payload(k)
     if replicas > 1:
         g = g * (1.0 / replicas)
     anchor = r["anchor"][...]
@@ -145,7 +155,8 @@ def outer_update_pallas(
     Args:
       spec: what to compute.
       arrays: by name (see ``_inputs``): ``payloads`` ``[R, P, 128]`` whose rows
-        ``payload_block_offset * block_rows`` onward hold this bucket; every other array
+        ``payload_block_offset * block_rows`` onward hold this bucket (optionally int8 codes
+        with ``payload_scales`` ``[R, P]``, one float32 scale per row); every other array
         ``[rows, 128]``; the dynamic scalars ``apply`` and ``gap_correction`` as float32
         ``[1, 128]`` rows (the value repeated on every lane).
       valid: how many leading elements of the ``rows * 128`` are real (the rest is padding,
@@ -163,6 +174,8 @@ def outer_update_pallas(
       sums (read ``[:, 0, :]``).
     """
     ins = _inputs(spec)
+    if "payload_scales" in arrays:  # int8 payloads with a float32 scale per row
+        ins = (ins[0], "payload_scales", *ins[1:])
     rows = arrays["anchor"].shape[0]
     br = block_sizes.block_rows
     blocks = pl.cdiv(rows, br)
@@ -176,6 +189,7 @@ def outer_update_pallas(
     scalar_block = pl.BlockSpec((1, LANES), lambda i: (0, 0))
     specs = {
         "payloads": pl.BlockSpec((replicas, br, LANES), lambda i: (0, payload_block_offset + i, 0)),
+        "payload_scales": pl.BlockSpec((replicas, br), lambda i: (0, payload_block_offset + i)),
         "apply": scalar_block,
         "gap_correction": scalar_block,
     }
@@ -198,11 +212,15 @@ def outer_update_pallas(
     # What the pipeline moves: every block of every operand once (edge blocks are clipped to
     # the array; the payload region is whole blocks; the scalar rows once). A Mosaic kernel is
     # opaque to XLA's cost analysis, which reports this estimate for it.
-    moved = sum(
-        (replicas * blocks * br if n == "payloads" else rows) * LANES * arrays[n].dtype.itemsize
-        for n in ins
-        if n not in ("apply", "gap_correction")
-    ) + sum(rows * LANES * s.dtype.itemsize for s in shapes if s.shape[0] == rows)
+    moved = (
+        sum(
+            (replicas * blocks * br if n == "payloads" else rows) * LANES * arrays[n].dtype.itemsize
+            for n in ins
+            if n not in ("apply", "gap_correction", "payload_scales")
+        )
+        + 4 * replicas * blocks * br * ("payload_scales" in arrays)
+        + sum(rows * LANES * s.dtype.itemsize for s in shapes if s.shape[0] == rows)
+    )
     cost = pl.CostEstimate(
         flops=blocks * br * LANES * (replicas + 12), transcendentals=0, bytes_accessed=moved
     )
@@ -211,7 +229,7 @@ def outer_update_pallas(
         kind = jax.typeof(operands[0]).manual_axis_type
         shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=kind) for s in shapes]
     kernel = functools.partial(
-        _outer_update_kernel, spec=spec, replicas=replicas, block_rows=br, valid=valid
+        _outer_update_kernel, spec=spec, ins=ins, replicas=replicas, block_rows=br, valid=valid
     )
     results = pl.pallas_call(
         kernel,

@@ -17,6 +17,8 @@ Each has a plain-jnp reference beside it (``*_reference``) and takes ``implement
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -47,19 +49,46 @@ def _round_half_even(y: jax.Array) -> jax.Array:
     return jnp.where(d > 0.5, f + 1.0, jnp.where(d < 0.5, f, f + odd))
 
 
+# Scales travel lane-dense ([R, rows] arrays in (R, block_rows) blocks), not as a (rows, 1)
+# column, which TPU tiles would pad to 128 lanes (a float32 tile row per scale: as many bytes
+# as a float32 payload). Inside a kernel a transpose turns one layout into the other.
+
+
+def _as_column(row: jax.Array, lanes: int = LANES) -> jax.Array:
+    """``(1, n)`` -> ``(n, lanes)``: row i holds element i on every lane."""
+    return jnp.broadcast_to(row, (lanes, row.shape[1])).T
+
+
+def _as_row(column: jax.Array) -> jax.Array:
+    """``(n, 1)`` -> ``(1, n)`` (a transpose of the lane broadcast; the max of equal rows,
+    as Triton lowers no slice)."""
+    return jnp.max(jnp.broadcast_to(column, (column.shape[0], LANES)).T, axis=0, keepdims=True)
+
+
 def _quantize_kernel(x_ref, q_ref, s_ref):
     x = x_ref[...].astype(jnp.float32)
     scale = jnp.max(jnp.abs(x), axis=1, keepdims=True) / 127.0
     safe = jnp.where(scale > 0, scale, 1.0)
     q_ref[...] = _round_half_even(x / safe).astype(jnp.int8)
-    s_ref[...] = scale
+    s_ref[...] = _as_row(scale)
 
 
 def _dequantize_mean_kernel(q_ref, s_ref, o_ref, *, replicas: int):
-    total = q_ref[0].astype(jnp.float32) * s_ref[0]
-    for r in range(1, replicas):
-        total = total + q_ref[r].astype(jnp.float32) * s_ref[r]
+    total = None
+    for r in range(replicas):
+        value = q_ref[r].astype(jnp.float32) * _as_column(s_ref[pl.ds(r, 1), :])
+        total = value if total is None else total + value
     o_ref[...] = total * (1.0 / replicas)
+
+
+def _cost(*operands) -> pl.CostEstimate:
+    """Every operand read or written once (arrays, or ``(*shape, dtype)`` tuples): what the
+    kernel's block pipeline moves; XLA reports it for the otherwise opaque Mosaic call."""
+    moved = 0
+    for x in operands:
+        shape, dtype = (x.shape, x.dtype) if hasattr(x, "shape") else (x[:-1], x[-1])
+        moved += math.prod(shape) * jnp.dtype(dtype).itemsize
+    return pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=moved)
 
 
 def _params(backend: str, interpret: bool):
@@ -106,19 +135,20 @@ def quantize_int8(
         _quantize_kernel,
         out_shape=(
             jax.ShapeDtypeStruct((rows, LANES), jnp.int8),
-            jax.ShapeDtypeStruct((rows, 1), jnp.float32),
+            jax.ShapeDtypeStruct((1, rows), jnp.float32),
         ),
         grid=(pl.cdiv(rows, br),),
         in_specs=[pl.BlockSpec((br, LANES), lambda i: (i, 0))],
         out_specs=(
             pl.BlockSpec((br, LANES), lambda i: (i, 0)),
-            pl.BlockSpec((br, 1), lambda i: (i, 0)),
+            pl.BlockSpec((1, br), lambda i: (0, i)),
         ),
         compiler_params=_params(backend, impl == "interpret"),
+        cost_estimate=_cost(x, (rows, LANES, jnp.int8), (rows, jnp.float32)),
         interpret=impl == "interpret",
         name="co2jax_quantize_int8",
     )(x)
-    return q, s[:, 0]
+    return q, s[0]
 
 
 def dequantize_mean_int8(
@@ -144,10 +174,178 @@ def dequantize_mean_int8(
         grid=(pl.cdiv(rows, br),),
         in_specs=[
             pl.BlockSpec((replicas, br, LANES), lambda i: (0, i, 0)),
-            pl.BlockSpec((replicas, br, 1), lambda i: (0, i, 0)),
+            pl.BlockSpec((replicas, br), lambda i: (0, i)),
         ],
         out_specs=pl.BlockSpec((br, LANES), lambda i: (i, 0)),
         compiler_params=_params(backend, impl == "interpret"),
+        cost_estimate=_cost(q, scale, (rows, LANES, jnp.float32)),
         interpret=impl == "interpret",
         name="co2jax_dequantize_mean_int8",
-    )(q, scale[..., None])
+    )(q, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4-bit (FP4 E3M0) and 2-bit (ternary) codes, packed by planes
+
+
+_FP4_LEVELS = [2.0**k for k in range(-6, 1)]  # code c in 1..7 is 2**(c - 7)
+_FP4_MIDS = [_FP4_LEVELS[0] / 2] + [(a + b) / 2 for a, b in itertools.pairwise(_FP4_LEVELS)]
+PACKED_BITS = {"fp4": 4, "2bit": 2}
+
+
+def _codes(fmt: str, x: jax.Array, scale: jax.Array) -> jax.Array:
+    """int32 codes of ``x`` (float32) against its block's ``scale = max|x|``."""
+    r = x / jnp.where(scale > 0, scale, 1.0)
+    if fmt == "fp4":
+        a = jnp.abs(r)
+        code = jnp.zeros(x.shape, jnp.int32)
+        for mid in _FP4_MIDS:  # nearest level in the linear domain; below the first, zero
+            code = code + (a >= mid).astype(jnp.int32)
+        return jnp.where(r < 0, code + 8, code)
+    return jnp.where(r >= 0.5, 1, jnp.where(r <= -0.5, 2, 0)).astype(jnp.int32)
+
+
+def _values(fmt: str, code: jax.Array) -> jax.Array:
+    """float32 value of int32 codes for a unit scale."""
+    if fmt == "fp4":
+        c = code & 7
+        mag = jnp.zeros(code.shape, jnp.float32)
+        for k, level in enumerate(_FP4_LEVELS, start=1):
+            mag = jnp.where(c == k, level, mag)
+        return jnp.where(code >= 8, -mag, mag)
+    return jnp.where(code == 1, 1.0, jnp.where(code == 2, -1.0, 0.0))
+
+
+def quantize_packed_reference(x: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:
+    """``compression.fp4(128)`` / ``two_bit(128)``'s encoding of each row of ``x [rows, 128]``:
+    ``(packed uint8 [rows, 128 * bits / 8], scale f32 [rows])``."""
+    from co2jax import compression as cx
+
+    codec = {"fp4": cx.fp4, "2bit": cx.two_bit}[fmt](LANES, implementation="xla")
+    return codec.encode(x.astype(jnp.float32).reshape(-1))
+
+
+def dequantize_mean_packed_reference(packed: jax.Array, scale: jax.Array, fmt: str) -> jax.Array:
+    """The float32 mean of R packed payloads ``[R, rows, W]`` with scales ``[R, rows]``."""
+    from co2jax import compression as cx
+
+    codec = {"fp4": cx.fp4, "2bit": cx.two_bit}[fmt](LANES, implementation="xla")
+    n = scale.shape[1] * LANES
+    decoded = [codec.decode((packed[r], scale[r]), n) for r in range(packed.shape[0])]
+    return jnp.mean(jnp.stack(decoded), axis=0).reshape(-1, LANES)
+
+
+def _quantize_packed_kernel(x_ref, p_ref, s_ref, *, fmt: str):
+    per = 8 // PACKED_BITS[fmt]
+    width = LANES // per
+    x = x_ref[...].astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+    packed = jnp.zeros((x.shape[0], width), jnp.int32)
+    for k in range(per):  # plane k: lanes [k * width, (k + 1) * width)
+        plane = x_ref[:, k * width : (k + 1) * width].astype(jnp.float32)
+        packed = packed | (_codes(fmt, plane, scale) << (k * PACKED_BITS[fmt]))
+    p_ref[...] = packed.astype(jnp.uint8)
+    s_ref[...] = _as_row(scale)
+
+
+def _dequantize_mean_packed_kernel(p_ref, s_ref, o_ref, *, fmt: str, replicas: int):
+    bits = PACKED_BITS[fmt]
+    per = 8 // bits
+    width = LANES // per
+    for k in range(per):
+        total = None
+        for r in range(replicas):
+            code = (p_ref[r].astype(jnp.int32) >> (k * bits)) & ((1 << bits) - 1)
+            value = _values(fmt, code) * _as_column(s_ref[pl.ds(r, 1), :], width)
+            total = value if total is None else total + value
+        o_ref[:, k * width : (k + 1) * width] = total * (1.0 / replicas)
+
+
+def _check_fmt(fmt: str) -> int:
+    if fmt not in PACKED_BITS:
+        raise ValueError(f"fmt must be one of {tuple(PACKED_BITS)}, got fmt={fmt!r}")
+    return LANES * PACKED_BITS[fmt] // 8
+
+
+def quantize_packed(
+    x: jax.Array,
+    fmt: str,
+    *,
+    implementation: str = "auto",
+    block_sizes: BlockSizes | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """FP4 E3M0 (``fmt="fp4"``) or ternary 2-bit (``"2bit"``) codes of ``x [rows, 128]``, one
+    scale ``max|x|`` per row, packed by planes: ``(packed uint8 [rows, 64 or 32], scale)``.
+
+    Bit for bit the encoding of :func:`co2jax.compression.fp4` / ``two_bit`` with
+    ``block=128``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.zeros((1, 128)).at[0, 0].set(-4.0).at[0, 64].set(1.0)
+      >>> p, s = quantize_packed(x, "fp4", implementation="interpret")
+      >>> int(p[0, 0]), float(s[0])  # low nibble: -2**0 (code 15); high: 2**-2 (code 5)
+      (95, 4.0)
+    """
+    width = _check_fmt(fmt)
+    impl, backend = _resolve(implementation)
+    if x.ndim != 2 or x.shape[1] != LANES:
+        raise ValueError(f"x must be [rows, {LANES}], got shape {x.shape}")
+    if impl == "xla":
+        return quantize_packed_reference(x, fmt)
+    br = (block_sizes or default_block_sizes(backend)).block_rows
+    rows = x.shape[0]
+    p, s = pl.pallas_call(
+        functools.partial(_quantize_packed_kernel, fmt=fmt),
+        out_shape=(
+            jax.ShapeDtypeStruct((rows, width), jnp.uint8),
+            jax.ShapeDtypeStruct((1, rows), jnp.float32),
+        ),
+        grid=(pl.cdiv(rows, br),),
+        in_specs=[pl.BlockSpec((br, LANES), lambda i: (i, 0))],
+        out_specs=(
+            pl.BlockSpec((br, width), lambda i: (i, 0)),
+            pl.BlockSpec((1, br), lambda i: (0, i)),
+        ),
+        compiler_params=_params(backend, impl == "interpret"),
+        cost_estimate=_cost(x, (rows, width, jnp.uint8), (rows, jnp.float32)),
+        interpret=impl == "interpret",
+        name=f"co2jax_quantize_{fmt}",
+    )(x)
+    return p, s[0]
+
+
+def dequantize_mean_packed(
+    packed: jax.Array,
+    scale: jax.Array,
+    fmt: str,
+    *,
+    implementation: str = "auto",
+    block_sizes: BlockSizes | None = None,
+) -> jax.Array:
+    """The float32 mean ``[rows, 128]`` of R packed payloads ``[R, rows, 64 or 32]`` with
+    scales ``[R, rows]``, decoded and summed in one pass."""
+    width = _check_fmt(fmt)
+    impl, backend = _resolve(implementation)
+    if packed.ndim != 3 or packed.shape[2] != width or scale.shape != packed.shape[:2]:
+        raise ValueError(
+            f"need packed [R, rows, {width}] and scale [R, rows], got {packed.shape}, {scale.shape}"
+        )
+    if impl == "xla":
+        return dequantize_mean_packed_reference(packed, scale, fmt)
+    replicas, rows, _ = packed.shape
+    br = (block_sizes or default_block_sizes(backend)).block_rows
+    return pl.pallas_call(
+        functools.partial(_dequantize_mean_packed_kernel, fmt=fmt, replicas=replicas),
+        out_shape=jax.ShapeDtypeStruct((rows, LANES), jnp.float32),
+        grid=(pl.cdiv(rows, br),),
+        in_specs=[
+            pl.BlockSpec((replicas, br, width), lambda i: (0, i, 0)),
+            pl.BlockSpec((replicas, br), lambda i: (0, i)),
+        ],
+        out_specs=pl.BlockSpec((br, LANES), lambda i: (i, 0)),
+        compiler_params=_params(backend, impl == "interpret"),
+        cost_estimate=_cost(packed, scale, (rows, LANES, jnp.float32)),
+        interpret=impl == "interpret",
+        name=f"co2jax_dequantize_mean_{fmt}",
+    )(packed, scale)

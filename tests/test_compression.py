@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import harness
 import jax
 import jax.numpy as jnp
@@ -133,6 +135,62 @@ def test_compressed_collective_moves_the_compressed_dtype(tmp_path):
     assert sum(c.bytes for c in gathers) == 4 * cx.int8(128).wire_bytes(n)  # R payloads
 
 
+def _two_step_reference(codec, payload):
+    """numpy/per-replica twin of all_reduce_compressed on [R, n] rows: shards of the
+    decoded payloads averaged, then the mean shard quantized again."""
+    r, n = payload.shape
+    m = -(-n // r)
+    shards = np.pad(np.asarray(payload), ((0, 0), (0, r * m - n))).reshape(r, r, m)
+    roundtrip = jax.jit(jax.vmap(codec.roundtrip))  # each row on its own
+    decoded = np.stack([np.asarray(roundtrip(jnp.asarray(row))) for row in shards])
+    mean = decoded.mean(axis=0)  # [shard, m]
+    again = np.asarray(roundtrip(jnp.asarray(mean))).reshape(-1)
+    return np.broadcast_to(again[:n], (r, n))
+
+
+@pytest.mark.parametrize("name", ["none", "int8", "fp4", "2bit", "topk_2bit"])
+@pytest.mark.parametrize("n", [5, 257])
+def test_two_step_collective_is_the_requantized_mean(name, n):
+    codec = CODECS[name]
+    rng = np.random.default_rng(2)
+    payload = jnp.asarray(rng.normal(size=(4, n)), jnp.float32)
+    got = jax.jit(jax.vmap(cx.all_reduce_compressed(codec), axis_name="replica"))(payload)
+    np.testing.assert_allclose(got, _two_step_reference(codec, payload), rtol=1e-6, atol=1e-7)
+    if name == "none":  # uncompressed: the plain mean
+        np.testing.assert_allclose(got[0], payload.mean(0), rtol=1e-6, atol=1e-7)
+
+
+def test_two_step_collective_sends_half_the_gather_bytes():
+    """In compiled HLO the two-step collective is an all-to-all then an all-gather over the
+    replica axis, both in the encoded dtypes; reduce.wire_bytes counts 2 (R-1) encoded
+    shards, which for 4 replicas is 2/3 of the all-gather's R-1 encoded payloads."""
+    mesh = harness.make_mesh(replica=4, data=2)
+    codec = cx.fp4(block=128)
+    n = 4096
+    reduce = cx.all_reduce_compressed(codec)
+    fn = jax.jit(
+        jax.shard_map(
+            reduce,
+            mesh=mesh,
+            in_specs=jax.sharding.PartitionSpec("replica"),
+            out_specs=jax.sharding.PartitionSpec("replica"),
+        )
+    )
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, n)), jnp.float32)
+    want = _two_step_reference(codec, x)
+    x = harness.place(x, mesh, jax.sharding.PartitionSpec("replica"))
+    np.testing.assert_allclose(fn(x), want, rtol=1e-6, atol=1e-7)
+    text = fn.lower(x).compile().as_text()
+    found = co2jax.hlo.over_axis(co2jax.hlo.collectives(text), mesh, "replica")
+    assert {c.op for c in found} == {"all-to-all", "all-gather"}, found
+    assert {dtype for c in found for dtype, _ in c.shapes} == {"u8", "f32"}, found
+    shard = codec.wire_bytes(n // 4)
+    assert reduce.wire_bytes(n, 4) == 2 * 3 * shard
+    gather = cx.all_gather_compressed(codec).wire_bytes(n, 4)
+    assert gather == 3 * codec.wire_bytes(n)
+    assert reduce.wire_bytes(n, 4) / gather == pytest.approx(0.5)
+
+
 def _ef_anchor(codec, use_ef, rounds=200):
     """DiLoCo on the textbook quadratic; the anchor averaged over the last half of the run."""
     problem = tb.make_problem(replicas=4, examples=2)
@@ -154,6 +212,26 @@ def test_error_feedback_recovers_the_uncompressed_fixed_point():
     err_plain = np.abs(_ef_anchor(codec, False) - exact).max()
     assert err_ef < 1e-2, err_ef
     assert err_plain > 50 * err_ef, (err_plain, err_ef)
+
+
+def test_error_feedback_encodes_once_per_round():
+    """The wrapper's payload and apply both compute the compressed target; inside one jitted
+    sync XLA merges them, so the compiled round has one abs-max pass for error feedback and
+    one for the collective's encoding (no third)."""
+    codec = cx.int8(128, implementation="xla")
+    params = {"w": jnp.ones((1000,)), "b": jnp.ones((7,))}
+    plain = co2jax.diloco(optax.sgd(0.7), reduce=cx.all_gather_compressed(codec))
+
+    def abs_max_passes(outer):
+        stacked = jax.tree.map(lambda x: jnp.stack([x, 2 * x]), params)
+        state = jax.vmap(outer.init)(stacked)
+        sync = jax.jit(jax.vmap(outer.sync, axis_name="replica"))
+        hlo = sync.lower(stacked, state).compile().as_text()
+        # one source call stack per abs-max computation left after optimisation
+        return len(set(re.findall(r'vmap\(\)/reduce_max" stack_frame_id=(\d+)', hlo)))
+
+    assert abs_max_passes(plain) == 1
+    assert abs_max_passes(cx.error_feedback(plain, codec)) == abs_max_passes(plain) + 1
 
 
 def test_compression_none_is_uncompressed():
@@ -204,3 +282,54 @@ def test_round_engine_keeps_the_compressed_collective(shard_outer_state):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # 5 parameters: 2 int8 blocks of 4 (8 bytes) + 2 float32 scales, to 3 other replicas
     np.testing.assert_array_equal(metrics[0].bytes_communicated, [3 * (8 + 8)] * 4)
+
+
+def _int8_diloco(reduce_impl, implementation):
+    codec = cx.int8(128, implementation=reduce_impl)
+    reduce = (
+        cx.all_gather_compressed(codec)
+        if reduce_impl != "stacked"
+        else co2jax.reducers.all_gather_stacked(quantize="int8", implementation="xla")
+    )
+    return co2jax.diloco(co2jax.outer_sgd(0.7, 0.9, True), reduce=reduce, **implementation)
+
+
+def test_int8_collective_feeds_the_fused_update():
+    """With the fused update as a kernel, an int8 (block 128) all-gather sends the same
+    format in the kernel's layout (one scale per 128-lane row) and the kernel dequantizes,
+    averages and steps in one pass: no separate dequantize-mean. Equal to the slow twin
+    (the same gathered codes averaged by Gathered.mean and stepped in jnp), and close to the
+    flat-blocked int8 collective."""
+    problem = tb.make_problem(replicas=4, examples=2)
+    fused = _int8_diloco("interpret", dict(implementation="interpret"))
+    twin = _int8_diloco("stacked", dict(implementation="xla"))
+    flat = _int8_diloco("xla", dict(implementation="xla"))
+    got, _ = harness.run_vmap(fused, problem, 0.1, 3, 4)
+    want, _ = harness.run_vmap(twin, problem, 0.1, 3, 4)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    other, _ = harness.run_vmap(flat, problem, 0.1, 3, 4)
+    np.testing.assert_allclose(got, other, rtol=0.02, atol=0.02)
+
+    params = harness.initial_params(problem)
+    state = jax.vmap(fused.init)(params)
+    jaxpr = str(jax.make_jaxpr(jax.vmap(fused.sync, axis_name="replica"))(params, state))
+    assert "co2jax_quantize_int8" in jaxpr and "co2jax_outer_update" in jaxpr
+    assert "co2jax_dequantize_mean_int8" not in jaxpr  # fused into the update
+
+
+def test_engine_counts_the_fused_int8_layout():
+    """On the engine the fused int8 path reports what it gathers: the kernel layout's rows,
+    128 int8 codes and one float32 scale each, to the R - 1 other replicas."""
+    from test_engine import run_engine
+
+    from co2jax.kernels.api import gather_layout
+
+    problem = tb.make_problem(replicas=4, examples=2)
+    mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
+    outer = _int8_diloco("interpret", dict(implementation="interpret"))
+    got, _, metrics, _ = run_engine(outer, problem, mesh, rounds=2, check_vma=False)
+    want, _ = harness.run_vmap(outer, problem, 0.1, 3, 2)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    one = jax.tree.map(lambda x: x[0], harness.initial_params(problem))
+    rows = gather_layout(one).total_rows
+    np.testing.assert_array_equal(metrics[0].bytes_communicated, [3 * rows * 132] * 4)

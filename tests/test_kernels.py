@@ -122,6 +122,33 @@ def test_kernel_matches_reference(name, gathered, dtype):
         _assert_close(direct, want, dtype)
 
 
+@pytest.mark.parametrize("name", ["diloco_nesterov", "co2_clip", "co2_gap_aware", "eager_nesterov"])
+def test_int8_gathered_payloads_match_reference(name):
+    """int8 codes with a scale per row (Gathered.scales): the kernel dequantizes, averages and
+    steps in one pass, as the reference does from the decoded mean; and that mean is the
+    mean of the per-row int8 round trips."""
+    from co2jax.kernels import quantize as qk
+
+    spec = SPECS[name]
+    state = _state(spec, jnp.float32)
+    payloads = _payloads(3, jnp.float32)
+    layout = _gathered(payloads, jnp.float32).layout
+    encoded = [qk.quantize_int8_reference(layout.pack(p, jnp.float32)) for p in payloads]
+    codes = jnp.stack([q for q, _ in encoded])
+    scales = jnp.stack([s for _, s in encoded])
+    payload = Gathered(codes, layout, scales)
+    kwargs = dict(gap_correction=jnp.float32(0.6))
+    want = outer_update(spec, payload, **state, implementation="xla", **kwargs)
+    got = outer_update(
+        spec, payload, **state, implementation="interpret", block_sizes=BLOCK, **kwargs
+    )
+    _assert_close(got, want, jnp.float32)
+    decoded = [layout.unpack(q.astype(jnp.float32) * s[:, None]) for q, s in encoded]
+    mean = jax.tree.map(lambda *x: jnp.mean(jnp.stack(x), 0), *decoded)
+    direct = outer_update(spec, mean, **state, implementation="xla", **kwargs)
+    _assert_close(direct, want, jnp.float32)
+
+
 @pytest.mark.parametrize("name", ["delayed_nesterov", "co2_gap_aware"])
 def test_not_arrived_keeps_the_state(name):
     """apply=False (a delayed method before its first average): only the pending moves."""
@@ -334,3 +361,22 @@ def test_triton_lowering_without_a_gpu(name, dtype):
     module = exported.mlir_module()
     assert module.count("__gpu$xla.gpu.triton") == len(layout.segments)
     assert "output_operand_alias" in module
+
+
+def test_int8_payload_triton_lowering_without_a_gpu():
+    """int8 gathered payloads with lane-dense scales lower to Triton as well."""
+    from jax import export
+
+    spec = SPECS["co2_clip"]
+    leaves = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+    layout = make_layout(leaves, BLOCK.block_rows)
+    codes = jax.ShapeDtypeStruct((4, layout.total_rows, LANES), jnp.int8)
+    scales = jax.ShapeDtypeStruct((4, layout.total_rows), jnp.float32)
+    state = {x: leaves for x in api.state_names(spec)}
+    step = api.gathered_step(spec, layout, "pallas")
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    with api.target_backend("gpu"):
+        exported = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[triton])(
+            codes, state, scales
+        )
+    assert exported.mlir_module().count("__gpu$xla.gpu.triton") == len(layout.segments)

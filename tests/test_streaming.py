@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 import textbook as tb
-from test_engine import run_engine
+from test_engine import engine_loss, run_engine, textbook_batch
 
 import co2jax
 from co2jax.fragments import make_fragments
@@ -98,10 +98,9 @@ def test_round_engine_matches_textbook(tau, alpha, problem):
     """shard_map on the (replica=4, data=2) mesh; the fragments' reductions as segment events."""
     mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
     want = tb.streaming_nesterov(problem, LR, H, ROUNDS, list(FLAT.values()), tau, alpha, ETA, MU)
-    from test_engine import textbook_batch
 
     trainer = co2jax.RoundTrainer(
-        lambda p, b: __import__("test_engine").engine_loss(p, b),
+        engine_loss,
         optax.sgd(LR),
         _outer(tau, alpha),
         mesh,
@@ -233,10 +232,7 @@ def test_fragments_by_patterns_and_roundtrip():
 
 def test_each_collective_carries_one_fragment(problem):
     mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
-    trainer = co2jax.RoundTrainer(
-        __import__("test_engine").engine_loss, optax.sgd(LR), _outer(1, 0.5), mesh, sync_every=H
-    )
-    from test_engine import textbook_batch
+    trainer = co2jax.RoundTrainer(engine_loss, optax.sgd(LR), _outer(1, 0.5), mesh, sync_every=H)
 
     state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
     batch = trainer.place_batch(textbook_batch(problem, H))
@@ -298,7 +294,6 @@ def test_streaming_error_feedback(problem):
     coarse = cx.error_feedback_streaming(
         _outer(1, 0.5, reduce=cx.all_gather_compressed(codec)), codec
     )
-    from test_engine import engine_loss, textbook_batch
 
     mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
     trainer = co2jax.RoundTrainer(engine_loss, optax.sgd(LR), coarse, mesh, sync_every=H)

@@ -113,6 +113,8 @@ def pseudo_gradient_method(
     reduce = replica_mean(axis_name) if reduce is None else reduce
     check_implementation(implementation)
     fusable = fusable_of(outer_optimizer)
+    if fusable is not None and getattr(reduce, "stacked", None) is not None:
+        reduce = _fused_compressed(reduce, implementation, axis_name)
 
     def init(params: Params) -> PseudoGradientState:
         pending = tuple(jax.tree.map(jnp.zeros_like, params) for _ in range(delay))
@@ -188,3 +190,25 @@ def pseudo_gradient_method(
         replica_local=eager,
         accepts_gathered=True,
     )
+
+
+def _fused_compressed(compressed: Reducer, implementation: str, axis_name: str) -> Reducer:
+    """``compressed`` (an int8 all-gather), or where the fused update runs as a kernel, the
+    same format gathered in the kernel's layout (``compressed.stacked``), so that the update
+    dequantizes and averages the R payloads in its own pass."""
+    from co2jax.kernels.api import resolve
+
+    def reduce(payload: Any) -> Any:
+        if resolve(implementation, check_axis(axis_name)) == "xla":
+            return compressed(payload)
+        return compressed.stacked(implementation)(payload)
+
+    def tree_wire_bytes(shapes: Any, replicas: int) -> float:
+        if resolve(implementation, replicas) == "xla":
+            return compressed.wire_bytes(sum(x.size for x in jax.tree.leaves(shapes)), replicas)
+        return compressed.stacked(implementation).tree_wire_bytes(shapes, replicas)
+
+    reduce.codec = compressed.codec
+    reduce.wire_bytes = compressed.wire_bytes
+    reduce.tree_wire_bytes = tree_wire_bytes
+    return reduce
