@@ -6,7 +6,17 @@ axis_name="replica")`` and under ``jax.shard_map`` on a device mesh. :func:`loca
 turns one into an optax transform for ordinary per-step training loops.
 """
 
-from co2jax import compression, distributed, fragments, hlo, kernels, overlap, penalties, reducers
+from co2jax import (
+    compression,
+    distributed,
+    fragments,
+    hlo,
+    kernels,
+    multijob,
+    overlap,
+    penalties,
+    reducers,
+)
 from co2jax._base import REPLICA_AXIS, OuterOptimizer, Reducer, replica_mean
 from co2jax.adapter import LocalUpdatesState, local_updates
 from co2jax.algorithms import (
@@ -59,6 +69,7 @@ __all__ = [
     "fragments",
     "hlo",
     "kernels",
+    "multijob",
     "local_sgd",
     "local_updates",
     "make_mesh",

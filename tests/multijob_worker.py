@@ -1,0 +1,71 @@
+"""One replica job of ``test_multijob.py``; not a test itself.
+
+Usage: ``python multijob_worker.py RANK ADDRESSES OUT_DIR [MODE]`` with ADDRESSES
+comma-separated ``host:port`` of every job's transfer server. Runs ROUNDS rounds of each
+algorithm in ``ALGORITHMS`` on the textbook problem (this job's replica slice of the data)
+with :class:`co2jax.multijob.JobTrainer` and saves every round's parameters as
+``OUT_DIR/{name}_{RANK}.npy`` ([rounds, dim]). MODE ``die`` makes the job exit after its first
+round (a peer dying mid-run); ``wait`` runs with a short timeout and records a PeerError in
+``OUT_DIR/error_{RANK}.txt``, saving the state it had before the failed round.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+REPLICAS, ROUNDS, DATA_DEVICES = 2, 2, 2
+ALGORITHMS = ("diloco", "co2")
+
+
+def main(rank: str, addresses: str, out_dir: str, mode: str = "run") -> None:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DATA_DEVICES}"
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    import harness
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    import textbook as tb
+    from test_algorithms import CASES
+    from test_engine import LR, H, engine_loss, textbook_batch
+
+    import co2jax
+    from co2jax import multijob
+
+    rank = int(rank)
+    timeout = 10.0 if mode == "wait" else 120.0
+    problem = tb.make_problem(replicas=REPLICAS, examples=2)
+    batch = {k: v[rank] for k, v in textbook_batch(problem).items()}
+    mesh = co2jax.make_mesh(replica=1, data=DATA_DEVICES)
+    for step, name in enumerate(ALGORITHMS):
+        # each algorithm gets its own ports: a transfer server lives as long as the process
+        ports = [a.rpartition(":") for a in addresses.split(",")]
+        peers = multijob.Peers(
+            tuple(f"{h}:{int(p) + step}" for h, _, p in ports), rank, timeout_s=timeout
+        )
+        outer = next(case for case in CASES if case.name == name).make()
+        trainer = multijob.JobTrainer(engine_loss, optax.sgd(LR), outer, peers, H, mesh)
+        state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
+        out = []
+        for r in range(ROUNDS):
+            if mode == "die" and r == 1:
+                os._exit(3)
+            try:
+                state, _ = trainer.round(state, batch)
+            except multijob.PeerError as e:
+                with open(os.path.join(out_dir, f"error_{rank}.txt"), "w") as f:
+                    f.write(str(e))
+                # the state of the last completed round is intact and readable
+                np.save(
+                    os.path.join(out_dir, f"kept_{rank}.npy"),
+                    np.asarray(harness.flatten(state.params))[0],
+                )
+                os._exit(0)
+            out.append(np.asarray(harness.flatten(state.params))[0])
+        np.save(os.path.join(out_dir, f"{name}_{rank}.npy"), np.stack(out))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
