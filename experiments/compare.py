@@ -102,6 +102,15 @@ class Link:
         ring = 2 * (replicas - 1) / replicas * nbytes * 8 / (self.bandwidth_gbps * 1e9)
         return ring + 2 * (replicas - 1) * self.latency_ms / 1e3
 
+    def exchange_s(self, nbytes: float, replicas: int) -> float:
+        """Every replica sends its whole payload to each of the R-1 others over its own link
+        (the multi-job exchange, ``co2jax.multijob``): ``(R-1) N`` bytes up each link, and
+        one latency per peer pulled in turn."""
+        if replicas <= 1 or nbytes <= 0:
+            return 0.0
+        up = (replicas - 1) * nbytes * 8 / (self.bandwidth_gbps * 1e9)
+        return up + (replicas - 1) * self.latency_ms / 1e3
+
 
 def simulated_round_s(
     algorithm: str,
@@ -112,20 +121,28 @@ def simulated_round_s(
     link: Link,
     fragments: int = 1,
     tau: int = 0,
+    exchange: str = "ring",
 ) -> float:
-    """Simulated seconds of one round (H inner steps and the sync).
+    """Simulated seconds of one round (H inner steps and the sync): the project's cost model.
 
-    Streaming DiLoCo sends ``fragments`` reductions of ``payload_bytes / fragments`` each,
-    and each one hides behind ``tau`` inner steps.
+    ``exchange`` is how a payload crosses the link: ``"ring"`` (an in-program ring
+    all-reduce, :meth:`Link.allreduce_s`) or ``"all_to_all"`` (the multi-job exchange,
+    :meth:`Link.exchange_s`). A synchronous algorithm waits for it; a delayed one
+    (``DELAYED``) hides it behind the round's compute, up to that compute, which it slows
+    by ``link.overlap_slowdown``. Streaming DiLoCo sends ``fragments`` reductions of
+    ``payload_bytes / fragments`` each, and each one hides behind ``tau`` inner steps.
     """
+    if exchange not in ("ring", "all_to_all"):
+        raise ValueError(f"exchange must be 'ring' or 'all_to_all', got exchange={exchange!r}")
+    cost = link.allreduce_s if exchange == "ring" else link.exchange_s
     compute = H * step_s
     if algorithm == "ddp":
-        return H * (step_s + link.allreduce_s(payload_bytes, R))
+        return H * (step_s + cost(payload_bytes, R))
     if algorithm == "streaming_diloco":
-        comm = link.allreduce_s(payload_bytes / fragments, R)
+        comm = cost(payload_bytes / fragments, R)
         hidden = min(comm, tau * step_s)
         return compute + fragments * (link.overlap_slowdown * hidden + comm - hidden)
-    comm = link.allreduce_s(payload_bytes, R)
+    comm = cost(payload_bytes, R)
     if algorithm in DELAYED:
         hidden = min(comm, compute)
         return compute + link.overlap_slowdown * hidden + (comm - hidden)
