@@ -224,7 +224,14 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
     parser.add_argument("--out", default="results/slowlink")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rewrite report.md from the JSON of the last run in --out (no namespaces)",
+    )
     args = parser.parse_args(argv)
+    if args.report_only:
+        return rereport(args)
     if os.geteuid() != 0:
         parser.error("the testbed needs root (ip netns, tc)")
     algorithms = args.algorithms.split(",")
@@ -263,6 +270,26 @@ def main(argv=None) -> None:
     print((out / "report.md").read_text())
 
 
+def rereport(args) -> None:
+    """``report`` again from the files a run left in ``args.out``."""
+    out = Path(args.out)
+    previous = json.loads((out / "summary.json").read_text())
+    ranks = range(args.replicas)
+    solo = [json.loads((out / f"diloco-solo_{r}.json").read_text()) for r in ranks]
+    results = {
+        row["algorithm"]: {
+            "runs": [json.loads((out / f"{row['algorithm']}_{r}.json").read_text()) for r in ranks],
+            "link_bytes": row["link_bytes"],
+        }
+        for row in previous["rows"]
+    }
+    summary = report(
+        results, _steady(solo, "round_s"), solo[0]["payload_bytes"], previous["rate_mbit"], args
+    )
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print((out / "report.md").read_text())
+
+
 def report(results: dict, compute_only: float, payload: int, rate: float, args) -> dict:
     """Writes ``report.md`` with the measured table and the cost model next to it."""
     from experiments.compare import Link, simulated_round_s
@@ -270,12 +297,25 @@ def report(results: dict, compute_only: float, payload: int, rate: float, args) 
     R = args.replicas
     comm = _steady(results["diloco"]["runs"], "wait_s") if "diloco" in results else None
     step_s = compute_only / args.sync_every
-    link = Link(bandwidth_gbps=rate / 1e3, latency_ms=args.latency_ms)
-    co2 = results.get("co2")
-    if co2 is not None:  # overlap slowdown: CO2's compute under overlap vs compute alone
-        slowed = _steady(co2["runs"], "compute_s") / compute_only - 1.0
-        link = Link(link.bandwidth_gbps, link.latency_ms, max(slowed, 0.0))
-    rows, summary = [], {"compute_only_s": compute_only, "rate_mbit": rate, "rows": []}
+    # calibration: a fixed cost per exchange (thread, pulls, the outer step's dispatch),
+    # fitted from DiLoCo's wait against the link's transfer time, as the per-peer latency
+    # term; and the overlap slowdown from CO2's compute under overlap vs compute alone
+    transfer = Link(bandwidth_gbps=rate / 1e3, latency_ms=0.0).exchange_s(payload, R)
+    overhead = max(comm - transfer, 0.0) if comm else 0.0
+    latency_ms = args.latency_ms + overhead * 1e3 / max(R - 1, 1)
+    slowed = 0.0
+    if "co2" in results:
+        slowed = max(_steady(results["co2"]["runs"], "compute_s") / compute_only - 1.0, 0.0)
+    link = Link(rate / 1e3, latency_ms, slowed)
+    rows = []
+    summary = {
+        "compute_only_s": compute_only,
+        "rate_mbit": rate,
+        "payload_bytes": payload,
+        "overhead_s": overhead,
+        "overlap_slowdown": link.overlap_slowdown,
+        "rows": [],
+    }
     for algorithm, res in results.items():
         measured = _steady(res["runs"], "round_s")
         wait = _steady(res["runs"], "wait_s")
@@ -306,7 +346,9 @@ def report(results: dict, compute_only: float, payload: int, rate: float, args) 
         f"compute-only round {compute_only:.3f} s; one exchange (DiLoCo's wait) "
         + ("n/a" if comm is None else f"{comm:.3f} s")
         + f"; latency {args.latency_ms} ms, added by the exchange layer (no netem). "
-        f"Overlap slowdown fitted from CO2's compute: {link.overlap_slowdown:.1%}. Medians of "
+        f"Cost model calibrated here: link transfer {transfer:.3f} s plus a fixed "
+        f"{overhead * 1e3:.0f} ms per exchange (fitted from DiLoCo's wait), overlap slowdown "
+        f"{link.overlap_slowdown:.1%} (fitted from CO2's compute under overlap). Medians of "
         f"{args.rounds} rounds (after one that compiles), slowest job.",
         "",
         "| algorithm | round (s) | / compute-only | wait (s) | hidden | model (s) | model error |",

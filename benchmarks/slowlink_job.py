@@ -74,6 +74,11 @@ def main(argv=None) -> None:
     loss_fn = model_lib.make_loss_fn(graphdef)
     inner = optax.adamw(cfg.inner.learning_rate, b1=cfg.inner.b1, b2=cfg.inner.b2)
     outer = train.build_outer(cfg.outer, H, lambda t: cfg.inner.learning_rate, params)
+    if algorithm == "eager_diloco":  # a job has no replica axis: eager's R is given
+        import co2jax
+
+        sgd = co2jax.outer_sgd(cfg.outer.learning_rate, cfg.outer.momentum, cfg.outer.nesterov)
+        outer = co2jax.eager_diloco(sgd, cfg.outer.delay, num_replicas=peers.replicas)
     trainer = multijob.JobTrainer(loss_fn, inner, outer, peers, H)
     state = trainer.init(params)
     rows = []

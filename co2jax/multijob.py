@@ -263,7 +263,8 @@ class JobTrainer:
     Args:
       loss_fn, inner: as :class:`co2jax.RoundTrainer`'s.
       outer: the algorithm, exactly as the SPMD engine takes it; its ``reduce`` is not used
-        (the exchange replaces it). Eager updates need ``num_replicas`` set.
+        (the exchange replaces it). A job has no replica axis to read R from: build eager
+        updates with ``num_replicas`` set.
       peers: this job's :class:`Peers`.
       sync_every: H.
       mesh: this job's local mesh with axes ``replica`` (size 1) and ``data`` (default: all

@@ -96,7 +96,7 @@ def test_every_algorithm_runs_two_rounds(algorithm, tmp_path):
     assert (tmp_path / "micro" / "config.json").exists()
 
 
-@pytest.mark.parametrize("algorithm", ["diloco", "co2"])
+@pytest.mark.parametrize("algorithm", ["diloco", pytest.param("co2", marks=pytest.mark.slow)])
 def test_resume_is_bitwise_identical(algorithm, tmp_path):
     """4 rounds straight == 2 rounds, stop, resume for 2 more (delayed CO2 included).
 
@@ -136,6 +136,7 @@ def test_report_writes_table_and_plots(tmp_path):
         assert (tmp_path / name).stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_report_with_seed_spread(tmp_path):
     base = _micro(tmp_path / "runs", "log.progress=false")
     link = compare.Link()
