@@ -214,8 +214,9 @@ def _uses_kernel(block: int, implementation: str) -> bool:
     return block == 128 and _resolve(implementation)[0] != "xla"
 
 
-def _packed_kernels(fmt: str, block: int, implementation: str, encode, decode_mean_default):
-    """The encode and decode_mean of a packed format, through the kernels when they apply."""
+def _packed_kernels(fmt: str, block: int, implementation: str, encode):
+    """The encode and decode_mean of a packed format, through the kernels when they apply
+    (``decode_mean`` is ``None`` unless ``block == 128``: then R payloads decode one by one)."""
 
     def kernel_encode(x):
         from co2jax.kernels.quantize import quantize_packed
@@ -231,7 +232,7 @@ def _packed_kernels(fmt: str, block: int, implementation: str, encode, decode_me
         mean = dequantize_mean_packed(packed, scale, fmt, implementation=implementation)
         return mean.reshape(-1)[:n]
 
-    return kernel_encode, (decode_mean if block == 128 else decode_mean_default)
+    return kernel_encode, (decode_mean if block == 128 else None)
 
 
 def fp4(block: int = 128, implementation: str = "auto") -> Codec:
@@ -262,7 +263,7 @@ def fp4(block: int = 128, implementation: str = "auto") -> Codec:
         value = jnp.where(codes >= 8, -mag, mag) * scale[:, None]
         return value.reshape(-1)[:n]
 
-    encode, decode_mean = _packed_kernels("fp4", block, implementation, encode, None)
+    encode, decode_mean = _packed_kernels("fp4", block, implementation, encode)
     wire = lambda n: _nblocks(n, block) * (block // 2 + 4)
     return Codec("fp4", encode, decode, wire, decode_mean)
 
@@ -285,7 +286,7 @@ def two_bit(block: int = 128, implementation: str = "auto") -> Codec:
         value = jnp.where(codes == 1, 1.0, jnp.where(codes == 2, -1.0, 0.0))
         return (value * scale[:, None]).reshape(-1)[:n]
 
-    encode, decode_mean = _packed_kernels("2bit", block, implementation, encode, None)
+    encode, decode_mean = _packed_kernels("2bit", block, implementation, encode)
     wire = lambda n: _nblocks(n, block) * (block // 4 + 4)
     return Codec("2bit", encode, decode, wire, decode_mean)
 
@@ -422,8 +423,10 @@ def _grouped(
 
 
 def _gather_bytes(codec: Codec) -> Callable[[int, int], float]:
-    # a ring all-gather forwards every other replica's encoded payload
-    return lambda n, r: float(codec.wire_bytes(n) * (r - 1)) if r > 1 else 0.0
+    """Bytes of an all-gather of the encoded payload (:func:`co2jax.reducers.wire_bytes`)."""
+    from co2jax.reducers import wire_bytes
+
+    return lambda n, r: wire_bytes("all_gather", codec.wire_bytes(n), r)
 
 
 def all_gather_compressed(codec: Codec, axis_name: str = REPLICA_AXIS) -> Reducer:

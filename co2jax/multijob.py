@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from co2jax._base import OuterOptimizer, check_int, make_outer_optimizer
+from co2jax._base import OuterOptimizer, check_int
 
 
 class PeerError(RuntimeError):
@@ -228,14 +228,6 @@ def _rank_order_mean(payloads: list[list[jax.Array]]) -> list[jax.Array]:
     return out
 
 
-def _inner_only() -> OuterOptimizer:
-    """An outer optimizer that sends nothing and changes nothing: the round engine on a
-    replica-1 mesh then runs just the H inner steps."""
-    return make_outer_optimizer(
-        lambda params: (), lambda params, state: (), lambda p, s, r: (p, s), lambda x: x
-    )
-
-
 class JobState(NamedTuple):
     """One job's state: ``params`` (its replica's parameters), ``inner_state``,
     ``outer_state`` (the algorithm's, as in the SPMD engine), ``round``."""
@@ -280,6 +272,7 @@ class JobTrainer:
         sync_every: int,
         mesh: jax.sharding.Mesh | None = None,
     ):
+        from co2jax.algorithms.data_parallel import no_sync
         from co2jax.engine import RoundTrainer
         from co2jax.mesh import make_mesh
 
@@ -295,17 +288,18 @@ class JobTrainer:
             )
         self.outer, self.peers, self.mesh = outer, peers, mesh
         # not donated: a round that fails on a peer leaves the state it was given intact
-        self.local = RoundTrainer(loss_fn, inner, _inner_only(), mesh, sync_every, donate=False)
+        # no_sync: the round engine on a replica-1 mesh runs just the H inner steps
+        self.local = RoundTrainer(loss_fn, inner, no_sync(), mesh, sync_every, donate=False)
         self.exchange = Exchange(peers, mesh.devices.flat[0])
         self._replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self._payload = jax.jit(outer.payload)
         self._apply = jax.jit(outer.apply)
-        self._round_counter = None
+        self._idle = None  # the local engine's (outer state, round): fixed, never read
 
     def init(self, params: Any) -> JobState:
         """The job's state from the (same on every job) initial parameters."""
         local = self.local.init(params)
-        self._round_counter = local.round
+        self._idle = (local.outer_state, local.round)
         outer_state = jax.jit(self.outer.init, out_shardings=self._replicated)(params)
         return JobState(local.params, local.inner_state, outer_state, 0)
 
@@ -323,7 +317,7 @@ class JobTrainer:
             future = self.exchange.start(
                 state.round, self._payload(one(state.params), state.outer_state)
             )
-        local = TrainState(state.params, state.inner_state, (), self._round_counter)
+        local = TrainState(state.params, state.inner_state, *self._idle)
         local, metrics = self.local.round(local, jax.tree.map(lambda x: x[None], batch))
         losses = np.asarray(metrics.loss)[0]  # waits for the inner steps
         computed = time.perf_counter()

@@ -111,7 +111,7 @@ def all_gather_stacked(
             row = LANES * jnp.dtype(dtype).itemsize
         else:
             row = LANES + 4  # int8 codes and a float32 scale
-        return float(layout.total_rows * row * (replicas - 1)) if replicas > 1 else 0.0
+        return wire_bytes("all_gather", layout.total_rows * row, replicas)
 
     reduce.tree_wire_bytes = tree_wire_bytes
     return reduce

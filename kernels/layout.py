@@ -184,3 +184,20 @@ class Gathered:
     def mean(self) -> Any:
         """The float32 mean over replicas, as a pytree in the payload's dtypes."""
         return self.layout.unpack(jnp.mean(self.decoded(), axis=-3))
+
+
+# Per-row scales travel lane-dense ([R, rows] arrays in (R, block_rows) blocks), not as a
+# (rows, 1) column, which TPU tiles would pad to 128 lanes (a float32 tile row per scale: as
+# many bytes as a float32 payload). Inside a kernel a transpose turns one layout into the
+# other (Mosaic and Triton both lower it).
+
+
+def as_column(row: jax.Array, lanes: int = LANES) -> jax.Array:
+    """``(1, n)`` -> ``(n, lanes)``: row i holds element i on every lane."""
+    return jnp.broadcast_to(row, (lanes, row.shape[1])).T
+
+
+def as_row(column: jax.Array) -> jax.Array:
+    """``(n, 1)`` -> ``(1, n)`` (a transpose of the lane broadcast; the max of equal rows,
+    as Triton lowers no slice)."""
+    return jnp.max(jnp.broadcast_to(column, (column.shape[0], LANES)).T, axis=0, keepdims=True)

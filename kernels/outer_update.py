@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from co2jax.kernels.layout import as_column
 from co2jax.kernels.spec import LANES, BlockSizes, OuterUpdateSpec
 
 
@@ -74,10 +75,8 @@ def _outer_update_kernel(
         values = r["payloads"][k].astype(f32)
         if "payload_scales" not in r:
             return values
-        # the block's scales are lane-dense (1, block_rows): turned into a column by a
-        # transpose of the (128, block_rows) broadcast, one scale per row
-        row = r["payload_scales"][pl.ds(k, 1), :].astype(f32)
-        return values * jnp.broadcast_to(row, (LANES, row.shape[1])).T
+        # the block's scales are lane-dense (1, block_rows): one per row, as a column
+        return values * as_column(r["payload_scales"][pl.ds(k, 1), :].astype(f32))
 
     g = payload(0)
     for k in range(1, replicas):

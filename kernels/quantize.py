@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from co2jax.kernels.api import check_implementation, current_backend
+from co2jax.kernels.layout import as_column, as_row
 from co2jax.kernels.spec import LANES, BlockSizes, default_block_sizes
 
 
@@ -49,34 +50,18 @@ def _round_half_even(y: jax.Array) -> jax.Array:
     return jnp.where(d > 0.5, f + 1.0, jnp.where(d < 0.5, f, f + odd))
 
 
-# Scales travel lane-dense ([R, rows] arrays in (R, block_rows) blocks), not as a (rows, 1)
-# column, which TPU tiles would pad to 128 lanes (a float32 tile row per scale: as many bytes
-# as a float32 payload). Inside a kernel a transpose turns one layout into the other.
-
-
-def _as_column(row: jax.Array, lanes: int = LANES) -> jax.Array:
-    """``(1, n)`` -> ``(n, lanes)``: row i holds element i on every lane."""
-    return jnp.broadcast_to(row, (lanes, row.shape[1])).T
-
-
-def _as_row(column: jax.Array) -> jax.Array:
-    """``(n, 1)`` -> ``(1, n)`` (a transpose of the lane broadcast; the max of equal rows,
-    as Triton lowers no slice)."""
-    return jnp.max(jnp.broadcast_to(column, (column.shape[0], LANES)).T, axis=0, keepdims=True)
-
-
 def _quantize_kernel(x_ref, q_ref, s_ref):
     x = x_ref[...].astype(jnp.float32)
     scale = jnp.max(jnp.abs(x), axis=1, keepdims=True) / 127.0
     safe = jnp.where(scale > 0, scale, 1.0)
     q_ref[...] = _round_half_even(x / safe).astype(jnp.int8)
-    s_ref[...] = _as_row(scale)
+    s_ref[...] = as_row(scale)
 
 
 def _dequantize_mean_kernel(q_ref, s_ref, o_ref, *, replicas: int):
     total = None
     for r in range(replicas):
-        value = q_ref[r].astype(jnp.float32) * _as_column(s_ref[pl.ds(r, 1), :])
+        value = q_ref[r].astype(jnp.float32) * as_column(s_ref[pl.ds(r, 1), :])
         total = value if total is None else total + value
     o_ref[...] = total * (1.0 / replicas)
 
@@ -113,6 +98,53 @@ def _resolve(implementation: str) -> tuple[str, str]:
     return implementation, backend
 
 
+def _encode_call(kernel, x, width, dtype, fmt, impl, backend, block_sizes):
+    """``kernel(x_ref, codes_ref, scale_ref)`` over row blocks of ``x [rows, 128]``:
+    ``(codes [rows, width] dtype, scale [rows])``, the scales written lane-dense."""
+    br = (block_sizes or default_block_sizes(backend)).block_rows
+    rows = x.shape[0]
+    codes, scale = pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((rows, width), dtype),
+            jax.ShapeDtypeStruct((1, rows), jnp.float32),
+        ),
+        grid=(pl.cdiv(rows, br),),
+        in_specs=[pl.BlockSpec((br, LANES), lambda i: (i, 0))],
+        out_specs=(
+            pl.BlockSpec((br, width), lambda i: (i, 0)),
+            pl.BlockSpec((1, br), lambda i: (0, i)),
+        ),
+        compiler_params=_params(backend, impl == "interpret"),
+        cost_estimate=_cost(x, (rows, width, dtype), (rows, jnp.float32)),
+        interpret=impl == "interpret",
+        name=f"co2jax_quantize_{fmt}",
+    )(x)
+    return codes, scale[0]
+
+
+def _mean_call(kernel, codes, scale, fmt, impl, backend, block_sizes):
+    """``kernel(codes_ref, scale_ref, out_ref, replicas=R)`` over row blocks of R payloads
+    ``codes [R, rows, width]`` with lane-dense ``scale [R, rows]``: their float32 mean
+    ``[rows, 128]``."""
+    replicas, rows, width = codes.shape
+    br = (block_sizes or default_block_sizes(backend)).block_rows
+    return pl.pallas_call(
+        functools.partial(kernel, replicas=replicas),
+        out_shape=jax.ShapeDtypeStruct((rows, LANES), jnp.float32),
+        grid=(pl.cdiv(rows, br),),
+        in_specs=[
+            pl.BlockSpec((replicas, br, width), lambda i: (0, i, 0)),
+            pl.BlockSpec((replicas, br), lambda i: (0, i)),
+        ],
+        out_specs=pl.BlockSpec((br, LANES), lambda i: (i, 0)),
+        compiler_params=_params(backend, impl == "interpret"),
+        cost_estimate=_cost(codes, scale, (rows, LANES, jnp.float32)),
+        interpret=impl == "interpret",
+        name=f"co2jax_dequantize_mean_{fmt}",
+    )(codes, scale)
+
+
 def quantize_int8(
     x: jax.Array, *, implementation: str = "auto", block_sizes: BlockSizes | None = None
 ) -> tuple[jax.Array, jax.Array]:
@@ -129,26 +161,7 @@ def quantize_int8(
         raise ValueError(f"x must be [rows, {LANES}], got shape {x.shape}")
     if impl == "xla":
         return quantize_int8_reference(x)
-    br = (block_sizes or default_block_sizes(backend)).block_rows
-    rows = x.shape[0]
-    q, s = pl.pallas_call(
-        _quantize_kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((rows, LANES), jnp.int8),
-            jax.ShapeDtypeStruct((1, rows), jnp.float32),
-        ),
-        grid=(pl.cdiv(rows, br),),
-        in_specs=[pl.BlockSpec((br, LANES), lambda i: (i, 0))],
-        out_specs=(
-            pl.BlockSpec((br, LANES), lambda i: (i, 0)),
-            pl.BlockSpec((1, br), lambda i: (0, i)),
-        ),
-        compiler_params=_params(backend, impl == "interpret"),
-        cost_estimate=_cost(x, (rows, LANES, jnp.int8), (rows, jnp.float32)),
-        interpret=impl == "interpret",
-        name="co2jax_quantize_int8",
-    )(x)
-    return q, s[0]
+    return _encode_call(_quantize_kernel, x, LANES, jnp.int8, "int8", impl, backend, block_sizes)
 
 
 def dequantize_mean_int8(
@@ -166,22 +179,7 @@ def dequantize_mean_int8(
         )
     if impl == "xla":
         return dequantize_mean_int8_reference(q, scale)
-    replicas, rows, _ = q.shape
-    br = (block_sizes or default_block_sizes(backend)).block_rows
-    return pl.pallas_call(
-        functools.partial(_dequantize_mean_kernel, replicas=replicas),
-        out_shape=jax.ShapeDtypeStruct((rows, LANES), jnp.float32),
-        grid=(pl.cdiv(rows, br),),
-        in_specs=[
-            pl.BlockSpec((replicas, br, LANES), lambda i: (0, i, 0)),
-            pl.BlockSpec((replicas, br), lambda i: (0, i)),
-        ],
-        out_specs=pl.BlockSpec((br, LANES), lambda i: (i, 0)),
-        compiler_params=_params(backend, impl == "interpret"),
-        cost_estimate=_cost(q, scale, (rows, LANES, jnp.float32)),
-        interpret=impl == "interpret",
-        name="co2jax_dequantize_mean_int8",
-    )(q, scale)
+    return _mean_call(_dequantize_mean_kernel, q, scale, "int8", impl, backend, block_sizes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +243,7 @@ def _quantize_packed_kernel(x_ref, p_ref, s_ref, *, fmt: str):
         plane = x_ref[:, k * width : (k + 1) * width].astype(jnp.float32)
         packed = packed | (_codes(fmt, plane, scale) << (k * PACKED_BITS[fmt]))
     p_ref[...] = packed.astype(jnp.uint8)
-    s_ref[...] = _as_row(scale)
+    s_ref[...] = as_row(scale)
 
 
 def _dequantize_mean_packed_kernel(p_ref, s_ref, o_ref, *, fmt: str, replicas: int):
@@ -256,7 +254,7 @@ def _dequantize_mean_packed_kernel(p_ref, s_ref, o_ref, *, fmt: str, replicas: i
         total = None
         for r in range(replicas):
             code = (p_ref[r].astype(jnp.int32) >> (k * bits)) & ((1 << bits) - 1)
-            value = _values(fmt, code) * _as_column(s_ref[pl.ds(r, 1), :], width)
+            value = _values(fmt, code) * as_column(s_ref[pl.ds(r, 1), :], width)
             total = value if total is None else total + value
         o_ref[:, k * width : (k + 1) * width] = total * (1.0 / replicas)
 
@@ -293,26 +291,8 @@ def quantize_packed(
         raise ValueError(f"x must be [rows, {LANES}], got shape {x.shape}")
     if impl == "xla":
         return quantize_packed_reference(x, fmt)
-    br = (block_sizes or default_block_sizes(backend)).block_rows
-    rows = x.shape[0]
-    p, s = pl.pallas_call(
-        functools.partial(_quantize_packed_kernel, fmt=fmt),
-        out_shape=(
-            jax.ShapeDtypeStruct((rows, width), jnp.uint8),
-            jax.ShapeDtypeStruct((1, rows), jnp.float32),
-        ),
-        grid=(pl.cdiv(rows, br),),
-        in_specs=[pl.BlockSpec((br, LANES), lambda i: (i, 0))],
-        out_specs=(
-            pl.BlockSpec((br, width), lambda i: (i, 0)),
-            pl.BlockSpec((1, br), lambda i: (0, i)),
-        ),
-        compiler_params=_params(backend, impl == "interpret"),
-        cost_estimate=_cost(x, (rows, width, jnp.uint8), (rows, jnp.float32)),
-        interpret=impl == "interpret",
-        name=f"co2jax_quantize_{fmt}",
-    )(x)
-    return p, s[0]
+    kernel = functools.partial(_quantize_packed_kernel, fmt=fmt)
+    return _encode_call(kernel, x, width, jnp.uint8, fmt, impl, backend, block_sizes)
 
 
 def dequantize_mean_packed(
@@ -333,19 +313,5 @@ def dequantize_mean_packed(
         )
     if impl == "xla":
         return dequantize_mean_packed_reference(packed, scale, fmt)
-    replicas, rows, _ = packed.shape
-    br = (block_sizes or default_block_sizes(backend)).block_rows
-    return pl.pallas_call(
-        functools.partial(_dequantize_mean_packed_kernel, fmt=fmt, replicas=replicas),
-        out_shape=jax.ShapeDtypeStruct((rows, LANES), jnp.float32),
-        grid=(pl.cdiv(rows, br),),
-        in_specs=[
-            pl.BlockSpec((replicas, br, width), lambda i: (0, i, 0)),
-            pl.BlockSpec((replicas, br), lambda i: (0, i)),
-        ],
-        out_specs=pl.BlockSpec((br, LANES), lambda i: (i, 0)),
-        compiler_params=_params(backend, impl == "interpret"),
-        cost_estimate=_cost(packed, scale, (rows, LANES, jnp.float32)),
-        interpret=impl == "interpret",
-        name=f"co2jax_dequantize_mean_{fmt}",
-    )(packed, scale)
+    kernel = functools.partial(_dequantize_mean_packed_kernel, fmt=fmt)
+    return _mean_call(kernel, packed, scale, fmt, impl, backend, block_sizes)
