@@ -212,7 +212,7 @@ def _parse_args():
     tpu.add_argument("--tpu-dtype", default="bfloat16")
     tpu.add_argument("--tpu-sync-every", type=int, default=4)
     tpu.add_argument("--tpu-batch-per-device", type=int, default=8)
-    tpu.add_argument("--tpu-reducer", choices=co2jax.engine.REDUCER_CHOICES, default="pmean")
+    tpu.add_argument("--tpu-reducer", choices=co2jax.comm.policy.CHOICES, default="pmean")
     tpu.add_argument(
         "--tpu-algorithms", nargs="+", choices=list(C.outer_algorithms()), default=["co2", "diloco"]
     )

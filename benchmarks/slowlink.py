@@ -3,7 +3,7 @@
     sudo python -m benchmarks.slowlink --replicas 2 --rate-mbit auto --rounds 6
 
 Each replica is a separate process (``benchmarks/slowlink_job.py``: the cpu-tiny transformer
-under :class:`co2jax.multijob.JobTrainer`) in its own network namespace. The namespaces hang
+under :class:`co2jax.JobTrainer`) in its own network namespace. The namespaces hang
 off a bridge in a hub namespace through veth pairs with private addresses (10.77.0.0/24);
 ``tc`` ``tbf`` limits each veth in both directions to ``--rate-mbit``. This kernel has no
 ``netem``, so link latency is not added by the network: ``--latency-ms`` makes the exchange

@@ -4,7 +4,7 @@
         --algorithm co2 --rounds 4 --out results/slowlink/co2_0.json
 
 Trains the cpu-tiny transformer (experiments' preset: its model, its Markov data, this
-replica's stream) with :class:`co2jax.multijob.JobTrainer` and writes every round's measured
+replica's stream) with :class:`co2jax.JobTrainer` and writes every round's measured
 compute time, wait for the exchange, round time and bytes sent as JSON. ``ddp`` is the
 per-step exchange: DiLoCo with H = 1 and outer SGD at learning rate 1 without momentum
 (parameter averaging after each step; equal to averaging gradients for SGD, and the same
@@ -37,13 +37,13 @@ def main(argv=None) -> None:
     import numpy as np
     import optax
 
-    from co2jax import multijob
+    import co2jax
     from experiments import config as config_lib
     from experiments import data as data_lib
     from experiments import model as model_lib
     from experiments import train
 
-    peers = multijob.Peers(tuple(args.peers.split(",")), args.rank, args.timeout_s, args.latency_ms)
+    peers = co2jax.Peers(tuple(args.peers.split(",")), args.rank, args.timeout_s, args.latency_ms)
     algorithm, H = args.algorithm, args.sync_every
     overrides = [f"mesh.replica={peers.replicas}", f"train.sync_every={H}"]
     if algorithm == "ddp":
@@ -73,13 +73,10 @@ def main(argv=None) -> None:
     graphdef, params = model_lib.init_params(mcfg, cfg.train.seed)
     loss_fn = model_lib.make_loss_fn(graphdef)
     inner = optax.adamw(cfg.inner.learning_rate, b1=cfg.inner.b1, b2=cfg.inner.b2)
-    outer = train.build_outer(cfg.outer, H, lambda t: cfg.inner.learning_rate, params)
-    if algorithm == "eager_diloco":  # a job has no replica axis: eager's R is given
-        import co2jax
-
-        sgd = co2jax.outer_sgd(cfg.outer.learning_rate, cfg.outer.momentum, cfg.outer.nesterov)
-        outer = co2jax.eager_diloco(sgd, cfg.outer.delay, num_replicas=peers.replicas)
-    trainer = multijob.JobTrainer(loss_fn, inner, outer, peers, H)
+    # a job has no replica axis: algorithms that need R (eager updates) are given it
+    schedule = lambda t: cfg.inner.learning_rate
+    outer = train.build_outer(cfg.outer, H, schedule, params, num_replicas=peers.replicas)
+    trainer = co2jax.JobTrainer(loss_fn, inner, outer, peers, H)
     state = trainer.init(params)
     rows = []
     # a DDP "round" is the same H_testbed steps as the others': H exchanges of one step each
@@ -110,7 +107,7 @@ def main(argv=None) -> None:
                 "replicas": peers.replicas,
                 "sync_every": args.sync_every,
                 "payload_bytes": payload_bytes,
-                "staleness": outer.staleness,
+                "overlapped": outer.overlapped,
                 "rows": rows,
             },
             f,

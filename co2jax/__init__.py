@@ -1,44 +1,68 @@
-"""co2jax: outer-optimizer algorithms (CO2, DiLoCo, eager/delayed DiLoCo, SlowMo, Local SGD).
+"""co2jax: outer-optimizer algorithms (CO2, DiLoCo, Streaming DiLoCo, SparseLoCo, ...) in JAX.
 
-Each algorithm is an :class:`OuterOptimizer`: pure ``init``/``sync`` functions that
-communicate only by axis name, so the same code runs under ``jax.vmap(...,
-axis_name="replica")`` and under ``jax.shard_map`` on a device mesh. :func:`local_updates`
-turns one into an optax transform for ordinary per-step training loops.
+Each algorithm is an :class:`OuterOptimizer`: pure ``init`` / ``send`` / ``apply`` functions,
+a :class:`~co2jax.comm.Reducer` and a static schedule of transfers, communicating only by
+axis name, so the same code runs under ``jax.vmap(..., axis_name="replica")`` and under
+``jax.shard_map`` on a device mesh. Three drivers run any schedule: :class:`RoundTrainer`
+(a round as one program on a mesh), :func:`local_updates` (an optax transform for ordinary
+per-step loops) and :class:`JobTrainer` (replicas as separate jobs).
+
+Layers, each importing only the ones before it: ``co2jax.kernels`` (Pallas) <-
+``co2jax.comm`` (codecs, collectives, the reducer policy) <- ``co2jax.protocol`` and
+``co2jax.algorithms`` (with the registry) <- ``co2jax.engines`` (the drivers).
 """
 
 from co2jax import (
-    compression,
+    algorithms,
+    comm,
     distributed,
+    engines,
     fragments,
     hlo,
     kernels,
-    multijob,
     overlap,
     penalties,
-    reducers,
+    protocol,
 )
-from co2jax._base import REPLICA_AXIS, OuterOptimizer, Reducer, replica_mean
-from co2jax.adapter import LocalUpdatesState, local_updates
 from co2jax.algorithms import (
     CO2MomentumState,
+    ErrorFeedbackState,
     PseudoGradientState,
+    SkipNonfiniteState,
     SlowMomentumState,
+    StreamingState,
     co2,
     data_parallel,
     delayed_diloco,
     diloco,
     eager_diloco,
+    error_feedback,
     local_sgd,
     no_sync,
     outer_sgd,
     pseudo_gradient_method,
+    registry,
+    skip_nonfinite,
     slowmo,
     sparseloco,
+    streaming_diloco,
 )
-from co2jax.engine import RoundMetrics, RoundTrainer, TrainState
-from co2jax.guards import SkipNonfiniteState, skip_nonfinite
-from co2jax.mesh import DATA, MODEL, REPLICA, make_mesh
-from co2jax.streaming import StreamingOuter, StreamingState, streaming_diloco
+from co2jax.axes import DATA, MODEL, REPLICA
+from co2jax.comm import Reducer
+from co2jax.engines import (
+    JobMetrics,
+    JobState,
+    JobTrainer,
+    LocalUpdatesState,
+    PeerError,
+    Peers,
+    RoundMetrics,
+    RoundTrainer,
+    TrainState,
+    local_updates,
+)
+from co2jax.mesh import make_mesh
+from co2jax.protocol import OuterOptimizer, Transfer
 
 __version__ = "0.1.0"
 
@@ -46,30 +70,37 @@ __all__ = [
     "DATA",
     "MODEL",
     "REPLICA",
-    "REPLICA_AXIS",
     "CO2MomentumState",
+    "ErrorFeedbackState",
+    "JobMetrics",
+    "JobState",
+    "JobTrainer",
     "LocalUpdatesState",
     "OuterOptimizer",
+    "PeerError",
+    "Peers",
     "PseudoGradientState",
     "Reducer",
     "RoundMetrics",
     "RoundTrainer",
     "SkipNonfiniteState",
     "SlowMomentumState",
-    "StreamingOuter",
     "StreamingState",
     "TrainState",
+    "Transfer",
+    "algorithms",
     "co2",
-    "compression",
+    "comm",
     "data_parallel",
     "delayed_diloco",
-    "distributed",
     "diloco",
+    "distributed",
     "eager_diloco",
+    "engines",
+    "error_feedback",
     "fragments",
     "hlo",
     "kernels",
-    "multijob",
     "local_sgd",
     "local_updates",
     "make_mesh",
@@ -77,9 +108,9 @@ __all__ = [
     "outer_sgd",
     "overlap",
     "penalties",
+    "protocol",
     "pseudo_gradient_method",
-    "reducers",
-    "replica_mean",
+    "registry",
     "skip_nonfinite",
     "slowmo",
     "sparseloco",

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from co2jax._base import check_int
+from co2jax._checks import check_int
 
 STRATEGIES = ("strided", "sequential")
 
@@ -62,9 +62,18 @@ class Fragments:
         """Fragment ``p``'s pieces of ``tree`` (a list of arrays, one per piece)."""
         leaves = jax.tree.leaves(tree)
         return [
-            leaves[q.leaf] if q.index is None else leaves[q.leaf][np.asarray(q.index)]
+            leaves[q.leaf] if q.index is None else self._layers(leaves[q.leaf], q)
             for q in self.fragments[p]
         ]
+
+    def _layers(self, x: jax.Array, q: Piece) -> jax.Array:
+        if x.shape[0] != self.shapes[q.leaf][0]:
+            raise ValueError(
+                f"leaf {q.path!r} has {x.shape[0]} of its {self.shapes[q.leaf][0]} layers here: "
+                "its layer axis (0) is split (a sharded outer state splits a leaf along its "
+                "largest dim that the data axis divides); fragments need it whole"
+            )
+        return x[np.asarray(q.index)]
 
     def put(self, tree: Any, p: int, values: list[jax.Array]) -> Any:
         """``tree`` with fragment ``p``'s pieces replaced by ``values``."""
@@ -75,6 +84,7 @@ class Fragments:
                 leaves[q.leaf] = v.astype(leaves[q.leaf].dtype)
             else:
                 x = leaves[q.leaf]
+                self._layers(x, q)
                 leaves[q.leaf] = x.at[np.asarray(q.index)].set(v.astype(x.dtype))
         return jax.tree.unflatten(treedef, leaves)
 

@@ -16,12 +16,9 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from co2jax._base import REPLICA_AXIS
+from co2jax.axes import AXES, DATA, MODEL, REPLICA
 
-REPLICA = REPLICA_AXIS
-DATA = "data"
-MODEL = "model"
-AXES = (REPLICA, DATA, MODEL)
+__all__ = ["AXES", "DATA", "MODEL", "REPLICA", "make_mesh", "resolve_sizes"]
 
 
 def resolve_sizes(sizes: dict[str, int], device_count: int) -> dict[str, int]:

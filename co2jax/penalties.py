@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from co2jax._base import check_positive, check_unit_interval
+from co2jax._checks import check_positive, check_unit_interval
 
 
 class Penalty(NamedTuple):

@@ -12,9 +12,9 @@ simulated wall clock) and PNG plots of loss against tokens, bytes and simulated 
 The simulated wall clock combines the measured compute time per inner step with a cost model
 of the link between replicas: a ring all-reduce of N bytes over R replicas costs
 ``2 (R-1)/R * N * 8 / bandwidth + 2 (R-1) * latency``. Synchronous algorithms wait for it; an
-algorithm whose reduction is overlapped (``staleness >= 1``) hides it behind the round's
-compute, up to that compute, and slows the overlapped compute by ``overlap_slowdown`` (18.9% on
-average measured on A100/H100/MI250, arXiv 2507.03114).
+algorithm whose reduction is overlapped (sent before the round's inner steps) hides it behind
+the round's compute, up to that compute, and slows the overlapped compute by
+``overlap_slowdown`` (18.9% on average measured on A100/H100/MI250, arXiv 2507.03114).
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from co2jax.algorithms import registry
 from experiments import config as config_lib
+from experiments import train
 
 # (label, overrides): every run sees the same tokens (same rounds, H, batch, seq_len, seed)
 SWEEP = [
@@ -79,7 +81,6 @@ COMPRESSION = [
     "Streaming DiLoCo FP4",
     "SparseLoCo",
 ]
-DELAYED = {"delayed_diloco", "eager_diloco", "co2"}
 
 PUBLISHED = """\
 Published ordering (ALGORITHMS.md; Kale, Douillard, Donchev, arXiv 2502.12996, Table 2, 500M
@@ -122,28 +123,33 @@ def simulated_round_s(
     fragments: int = 1,
     tau: int = 0,
     exchange: str = "ring",
+    overlapped: bool | None = None,
 ) -> float:
     """Simulated seconds of one round (H inner steps and the sync): the project's cost model.
 
     ``exchange`` is how a payload crosses the link: ``"ring"`` (an in-program ring
     all-reduce, :meth:`Link.allreduce_s`) or ``"all_to_all"`` (the multi-job exchange,
     :meth:`Link.exchange_s`). A synchronous algorithm waits for it; a delayed one
-    (``DELAYED``) hides it behind the round's compute, up to that compute, which it slows
-    by ``link.overlap_slowdown``. Streaming DiLoCo sends ``fragments`` reductions of
-    ``payload_bytes / fragments`` each, and each one hides behind ``tau`` inner steps.
+    (the registry's ``delayed`` capability, or ``overlapped`` as a run recorded it) hides it
+    behind the round's compute, up to that compute, which it slows by
+    ``link.overlap_slowdown``. An algorithm that syncs fragments (Streaming DiLoCo) sends
+    ``fragments`` reductions of ``payload_bytes / fragments`` each, and each one hides behind
+    ``tau`` inner steps. One that communicates every step (DDP) pays the cost every step.
     """
+    caps = registry.REGISTRY[algorithm].capabilities
+    overlapped = caps.delayed if overlapped is None else overlapped
     if exchange not in ("ring", "all_to_all"):
         raise ValueError(f"exchange must be 'ring' or 'all_to_all', got exchange={exchange!r}")
     cost = link.allreduce_s if exchange == "ring" else link.exchange_s
     compute = H * step_s
-    if algorithm == "ddp":
+    if caps.every_step:
         return H * (step_s + cost(payload_bytes, R))
-    if algorithm == "streaming_diloco":
+    if caps.fragments:
         comm = cost(payload_bytes / fragments, R)
         hidden = min(comm, tau * step_s)
         return compute + fragments * (link.overlap_slowdown * hidden + comm - hidden)
     comm = cost(payload_bytes, R)
-    if algorithm in DELAYED:
+    if overlapped:
         hidden = min(comm, compute)
         return compute + link.overlap_slowdown * hidden + (comm - hidden)
     return compute + comm
@@ -155,8 +161,6 @@ def run_sweep(
     """One row per entry of ``sweep``. With ``seeds > 1`` each entry also runs with
     ``train.seed`` + 1, + 2, ...: the row keeps the first seed's curves and reports the final
     eval loss's mean and seed-to-seed standard deviation."""
-    from experiments import train
-
     rows = []
     for label, overrides in sweep:
         losses, row = [], None
@@ -192,10 +196,18 @@ def _summarise(label, cfg, history, entropy, link, run_s) -> dict:
     step_s = float(np.median(steady)) / H  # round 1 includes compilation
     per_round = history[-1]["bytes_total"] / len(history)
     # payload bytes per reduction, from the ring traffic 2(R-1)/R * N per replica
-    reductions = H if cfg.outer.algorithm == "ddp" else 1
+    reductions = H if registry.REGISTRY[cfg.outer.algorithm].capabilities.every_step else 1
     payload = per_round / reductions / (2 * (R - 1) / R) if R > 1 else 0.0
     sim = simulated_round_s(
-        cfg.outer.algorithm, step_s, H, payload, R, link, cfg.outer.fragments, cfg.outer.tau
+        cfg.outer.algorithm,
+        step_s,
+        H,
+        payload,
+        R,
+        link,
+        cfg.outer.fragments,
+        cfg.outer.tau,
+        overlapped=history[-1].get("overlapped"),
     )
     evals = [(r["tokens"], r["eval_loss"]) for r in history if "eval_loss" in r]
     return {

@@ -1,9 +1,11 @@
 """Typed, frozen run configs: presets, dotted command-line overrides, validation.
 
-A run is one :class:`Config`: model, data, mesh, inner optimizer, outer algorithm, schedule,
-evaluation, checkpointing and logging. Presets are functions returning a Config; overrides
-such as ``outer.learning_rate=0.7 mesh.replica=4`` are applied by :func:`override`, and
-:func:`validate` rejects a bad config before anything compiles, naming the field.
+A run is one :class:`Config`: model, data, mesh, inner optimizer, outer algorithm (the
+library's :class:`co2jax.algorithms.registry.OuterConfig`, whose names and checks come from the
+algorithm registry), schedule, evaluation, checkpointing and logging. Presets are functions
+returning a Config; overrides such as ``outer.learning_rate=0.7 mesh.replica=4`` are applied
+by :func:`override`, and :func:`validate` rejects a bad config before anything compiles,
+naming the field.
 
 Example:
   >>> cfg = override(preset("cpu-tiny"), ["outer.algorithm=co2", "train.rounds=3"])
@@ -20,22 +22,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-ALGORITHMS = (
-    "ddp",
-    "local_sgd",
-    "slowmo",
-    "diloco",
-    "delayed_diloco",
-    "eager_diloco",
-    "co2",
-    "streaming_diloco",
-    "sparseloco",
-)
-COMPRESSIONS = ("none", "bf16", "fp8", "int8", "fp4", "2bit")  # co2jax.compression formats
-COLLECTIVES = ("all_gather", "two_step")  # how compressed payloads are reduced
+from co2jax.algorithms import registry
+from co2jax.algorithms.registry import OuterConfig
+from co2jax.kernels.api import IMPLEMENTATIONS  # noqa: F401  (the fused update's choices)
+
+ALGORITHMS = registry.NAMES  # the library's algorithm registry
 DATA_KINDS = ("markov", "text", "stdlib", "tokens")
-PENALTIES = ("none", "constant", "gap_aware")
-IMPLEMENTATIONS = ("auto", "pallas", "interpret", "xla")  # co2jax.kernels.IMPLEMENTATIONS
 SCHEDULES = ("constant", "cosine")
 
 
@@ -78,31 +70,6 @@ class InnerConfig:
     b2: float = 0.95
     warmup_steps: int = 20
     schedule: str = "cosine"
-
-
-@dataclass(frozen=True)
-class OuterConfig:
-    algorithm: str = "diloco"
-    learning_rate: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
-    delay: int = 1
-    clip_threshold: float | None = None
-    penalty: str = "none"
-    penalty_lambda: float = 1.0
-    gap_decay: float = 0.9
-    mode: str = "paper"
-    skip_nonfinite: bool = True
-    implementation: str = "auto"  # the fused outer update's: auto | pallas | interpret | xla
-    compression: str = "none"  # pseudo-gradients on the wire (diloco family, streaming)
-    error_feedback: bool = False  # keep the compression residual per replica
-    collective: str = "all_gather"  # compressed: all_gather (exact mean) | two_step (RS + AG)
-    fragments: int = 2  # streaming_diloco: P, strided over the transformer blocks
-    tau: int = 1  # streaming_diloco: inner steps between sending and applying a fragment
-    alpha: float = 0.5  # streaming_diloco: merge weight of the local values
-    decay: float = 0.95  # sparseloco: error-feedback decay
-    topk: int = 32  # sparseloco: values kept per chunk
-    chunk: int = 4096  # sparseloco: chunk size
 
 
 @dataclass(frozen=True)
@@ -318,40 +285,9 @@ def _fail(field_name: str, value: Any, why: str) -> None:
 def validate(config: Config, device_count: int | None = None) -> Config:
     """Checks every field that can be checked before compiling; returns ``config``."""
     o, d, m, t, i = config.outer, config.data, config.mesh, config.train, config.inner
-    if o.algorithm not in ALGORITHMS:
-        _fail("outer.algorithm", o.algorithm, f"must be one of {ALGORITHMS}")
-    if o.implementation not in IMPLEMENTATIONS:
-        _fail("outer.implementation", o.implementation, f"must be one of {IMPLEMENTATIONS}")
-    if o.compression not in COMPRESSIONS:
-        _fail("outer.compression", o.compression, f"must be one of {COMPRESSIONS}")
-    if o.compression != "none" and o.algorithm not in ("diloco", "streaming_diloco"):
-        _fail("outer.compression", o.compression, "applies to diloco and streaming_diloco")
-    if o.collective not in COLLECTIVES:
-        _fail("outer.collective", o.collective, f"must be one of {COLLECTIVES}")
-    if o.fragments < 1:
-        _fail("outer.fragments", o.fragments, "must be >= 1")
-    if o.algorithm == "streaming_diloco" and not 0 <= o.tau < t.sync_every // o.fragments:
-        _fail(
-            "outer.tau",
-            o.tau,
-            f"must be in [0, sync_every // fragments) = [0, {t.sync_every // o.fragments})",
-        )
-    if not 0 <= o.alpha <= 1:
-        _fail("outer.alpha", o.alpha, "must be in [0, 1]")
-    if o.penalty not in PENALTIES:
-        _fail("outer.penalty", o.penalty, f"must be one of {PENALTIES}")
-    if o.mode not in ("paper", "reference_code"):
-        _fail("outer.mode", o.mode, "must be 'paper' or 'reference_code'")
-    if not 0 < o.learning_rate:
-        _fail("outer.learning_rate", o.learning_rate, "must be > 0")
-    if not 0 <= o.momentum < 1:
-        _fail("outer.momentum", o.momentum, "must be in [0, 1)")
-    if o.delay < 1 and o.algorithm in ("delayed_diloco", "eager_diloco"):
-        _fail("outer.delay", o.delay, "must be >= 1 for delayed and eager DiLoCo")
-    if o.clip_threshold is not None and o.clip_threshold <= 0:
-        _fail("outer.clip_threshold", o.clip_threshold, "must be > 0 or None")
     if t.sync_every < 1:
         _fail("train.sync_every", t.sync_every, "H must be >= 1")
+    registry.validate(o, t.sync_every)
     if t.rounds < 1:
         _fail("train.rounds", t.rounds, "must be >= 1")
     if i.learning_rate <= 0:

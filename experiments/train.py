@@ -22,15 +22,24 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import co2jax
+from co2jax.algorithms import registry
+from co2jax.fragments import make_fragments
 from experiments import config as config_lib
+from experiments import data as data_lib
+from experiments import model as model_lib
 
 
 def _setup_devices(cfg: config_lib.Config) -> None:
-    """On CPU, emulate as many devices as the mesh needs (before JAX starts a backend)."""
-    import jax
-
+    """On CPU, emulate as many devices as the mesh needs (before JAX starts a backend:
+    importing JAX, co2jax and the experiment modules starts none)."""
     if (jax.config.jax_platforms or "cpu") == "cpu" and jax.config.jax_num_cpu_devices < 1:
         sizes = [s for s in (cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model) if s > 0]
         jax.config.update("jax_num_cpu_devices", max(8, math.prod(sizes)))
@@ -47,83 +56,27 @@ class Run(NamedTuple):
     schedule: Any
 
 
-def build_outer(o: config_lib.OuterConfig, sync_every: int, schedule, params=None):
-    """The outer algorithm, through co2jax's public factories; ``None`` for DDP.
+def build_outer(
+    o: config_lib.OuterConfig, sync_every: int, schedule, params=None, num_replicas=None
+):
+    """The outer algorithm from the library's registry (:mod:`co2jax.algorithms.registry`).
 
     ``params`` (the model's parameters or their shapes) is needed for Streaming DiLoCo's
     fragments: strided over the transformer blocks, embeddings in fragment 0, the rest last.
     """
 
-    import co2jax
-    from co2jax import compression as cx
-
-    reduce, codec = None, None
-    if o.compression != "none":
-        kernels = (
-            {"implementation": o.implementation} if o.compression in ("int8", "fp4", "2bit") else {}
+    def fragmenter(params, count):
+        return make_fragments(
+            params, count, layers=r"blocks/(\d+)/", assign={r"^(?!embed)": count - 1}
         )
-        codec = cx.make(o.compression, **kernels)
-        collective = {"all_gather": cx.all_gather_compressed, "two_step": cx.all_reduce_compressed}
-        reduce = collective[o.collective](codec)
 
-    def compressed(outer):  # the guard inside error feedback: a skip keeps the residual
-        if o.skip_nonfinite:
-            outer = co2jax.skip_nonfinite(outer)
-        return cx.error_feedback(outer, codec) if codec is not None and o.error_feedback else outer
-
-    def sgd():  # optax.sgd's transform and state, runnable by the fused outer update
-        momentum = o.momentum or None  # 0: plain SGD (Nesterov then means nothing)
-        nesterov = o.nesterov and momentum is not None
-        return co2jax.outer_sgd(o.learning_rate, momentum=momentum, nesterov=nesterov)
-
-    impl = dict(implementation=o.implementation)
-
-    if o.algorithm == "ddp":
-        return None
-    if o.algorithm == "local_sgd":
-        outer = co2jax.local_sgd()
-    elif o.algorithm == "slowmo":
-        outer = co2jax.slowmo(
-            lambda t: schedule(t * sync_every),
-            slow_learning_rate=o.learning_rate,
-            slow_momentum=o.momentum,
-        )
-    elif o.algorithm == "diloco":
-        return compressed(co2jax.diloco(sgd(), reduce=reduce, **impl))
-    elif o.algorithm == "streaming_diloco":
-        frags = co2jax.fragments.make_fragments(
-            params, o.fragments, layers=r"blocks/(\d+)/", assign={r"^(?!embed)": o.fragments - 1}
-        )
-        # no skip guard: its decision is per fragment sync, not per round
-        return co2jax.streaming_diloco(sgd(), frags, sync_every, o.tau, o.alpha, reduce=reduce)
-    elif o.algorithm == "sparseloco":
-        outer = co2jax.sparseloco(o.learning_rate, o.decay, o.topk, o.chunk)
-    elif o.algorithm == "delayed_diloco":
-        outer = co2jax.delayed_diloco(sgd(), delay=o.delay, **impl)
-    elif o.algorithm == "eager_diloco":
-        return co2jax.eager_diloco(sgd(), delay=o.delay, **impl)  # replica-local: no skip guard
-    else:
-        penalty = {
-            "none": None,
-            "constant": co2jax.penalties.constant(o.penalty_lambda),
-            "gap_aware": co2jax.penalties.gap_aware(o.gap_decay),
-        }[o.penalty]
-        outer = co2jax.co2(o.learning_rate, o.momentum, o.clip_threshold, penalty, o.mode, **impl)
-    return co2jax.skip_nonfinite(outer) if o.skip_nonfinite else outer
+    context = registry.Context(sync_every, params, schedule, num_replicas, fragmenter)
+    return registry.build(o, context)
 
 
 def build(cfg: config_lib.Config) -> Run:
     """Everything a run needs; raises ValueError for a bad config before compiling."""
     _setup_devices(cfg)
-    import jax
-    import optax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import co2jax
-    from experiments import data as data_lib
-    from experiments import model as model_lib
-
     config_lib.validate(cfg, jax.device_count())
     t, i = cfg.train, cfg.inner
     streams = data_lib.make_streams(
@@ -158,9 +111,8 @@ def build(cfg: config_lib.Config) -> Run:
     else:
         schedule = optax.linear_schedule(0.0, i.learning_rate, max(i.warmup_steps, 1))
     inner = optax.adamw(schedule, b1=i.b1, b2=i.b2, weight_decay=i.weight_decay)
+    inner = registry.inner(cfg.outer, inner)  # DDP averages the gradients first
     outer = build_outer(cfg.outer, t.sync_every, schedule, params)
-    if outer is None:
-        inner, outer = co2jax.data_parallel(inner), co2jax.no_sync()
     mesh = co2jax.make_mesh(cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model)
     # Pallas' interpreter is not typed for shard_map's varying-axis check (docs/kernels.md)
     check_vma = cfg.outer.implementation != "interpret"
@@ -194,9 +146,7 @@ def _clip_fraction(state, threshold: float | None) -> float | None:
 @functools.cache
 def _at_bound():
     """A jitted fraction of elements with |m| >= bound, computed on device: the momentum is
-    parameter-sized and stays where it is (JAX is imported lazily, after device setup)."""
-    import jax
-    import jax.numpy as jnp
+    parameter-sized and stays where it is."""
 
     def fraction(momentum, bound):
         leaves = jax.tree.leaves(momentum)
@@ -265,8 +215,6 @@ def train(
     ends bitwise-identical to an uninterrupted one.
     """
     run = build(cfg)
-    import jax
-
     trainer, streams, t = run.trainer, run.streams, cfg.train
     out = Path(out_dir or os.path.join(cfg.log.dir, cfg.name))
     out.mkdir(parents=True, exist_ok=True)
@@ -297,6 +245,7 @@ def train(
 
         progress = tqdm(total=t.rounds, initial=start, desc=cfg.name, unit="round")
     eval_fn, eval_batch = run.eval_fn
+    every_step = registry.REGISTRY[cfg.outer.algorithm].capabilities.every_step
     try:
         end = t.rounds if stop_after is None else min(t.rounds, stop_after)
         for k in range(start, end):
@@ -306,7 +255,7 @@ def train(
             metrics = jax.device_get(metrics)
             seconds = time.perf_counter() - began
             bytes_round = float(np.asarray(metrics.bytes_communicated)[0])
-            if cfg.outer.algorithm == "ddp":  # DDP reduces its gradients every step
+            if every_step:  # DDP reduces its gradients every step
                 bytes_round = 2.0 * (R - 1) / R * _param_bytes(run.params) * H if R > 1 else 0.0
             bytes_total += bytes_round
             loss = np.asarray(metrics.loss)
@@ -327,8 +276,9 @@ def train(
                 "clip_fraction": _clip_fraction(state, cfg.outer.clip_threshold),
                 "penalty_scale": _penalty_scale(state),
                 "collective": "all-reduce (every step)"
-                if cfg.outer.algorithm == "ddp"
-                else f"{trainer.reducer_kind} (once per round)",
+                if every_step
+                else f"{trainer.reducer_kind} ({len(trainer.transfers)} per round)",
+                "overlapped": trainer.outer.overlapped,
             }
             last = k + 1 == t.rounds
             if last or (cfg.eval.every and (k + 1) % cfg.eval.every == 0):
@@ -366,8 +316,6 @@ def _kept_records(path: Path, start: int) -> list[dict]:
 
 
 def _param_bytes(params) -> int:
-    import jax
-
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
 
 
@@ -380,8 +328,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg = config_lib.override(config_lib.preset(args.preset), args.overrides)
     if args.distributed:
-        import co2jax.distributed
-
         co2jax.distributed.initialize()
     history = train(cfg, resume=args.resume).history
     if history:

@@ -37,6 +37,7 @@ from co2jax.kernels.reference import OuterUpdateOut, outer_update_reference
 from co2jax.kernels.spec import LANES, BlockSizes, OuterUpdateSpec, default_block_sizes
 
 IMPLEMENTATIONS = ("auto", "pallas", "interpret", "xla")
+LOWERED = ("tpu", "gpu", "cuda", "rocm")  # backends Pallas compiles for (Mosaic, Triton)
 _SUPPORTED = {np.dtype(jnp.float32), np.dtype(jnp.bfloat16)}
 _state = threading.local()
 
@@ -65,13 +66,27 @@ def check_implementation(implementation: Any) -> str:
     return implementation
 
 
-def resolve(implementation: str, replicas: int, backend: str | None = None) -> str:
-    """The implementation ``"auto"`` stands for (others are returned as they are)."""
+def resolve(implementation: str, replicas: int | None = None, backend: str | None = None) -> str:
+    """What ``implementation`` runs as: the one resolution every kernel of the package uses.
+
+    ``"auto"`` is the Pallas kernel on TPU where it was measured to beat XLA: an encoding pass
+    (``replicas=None``) or a pass that reduces ``replicas >= 2`` payloads; ``"xla"`` elsewhere
+    (CPU; GPU, not measured yet; a single reduced payload, where XLA's fusion already reaches
+    the minimum bytes). ``"pallas"`` on a backend without a Pallas lowering runs the jnp
+    reference, with a warning. ``"interpret"`` and ``"xla"`` are returned as they are.
+    """
     check_implementation(implementation)
-    if implementation != "auto":
-        return implementation
     backend = backend or current_backend()
-    return "pallas" if backend == "tpu" and replicas >= 2 else "xla"
+    if implementation == "auto":
+        wins = replicas is None or replicas >= 2
+        return "pallas" if backend == "tpu" and wins else "xla"
+    if implementation == "pallas" and backend not in LOWERED:
+        warnings.warn(
+            f"no Pallas lowering for backend {backend!r}: running the jnp reference",
+            stacklevel=3,
+        )
+        return "xla"
+    return implementation
 
 
 def gather_layout(payload: Any, block_sizes: BlockSizes | None = None) -> Layout:
@@ -120,6 +135,18 @@ def outer_update(
       >>> out.anchor["w"]  # m = clip(2) = 1.5
       Array([-1.5, -1.5, -1.5], dtype=float32)
     """
+    direct = lambda g: len(g.parts) == 1 and g.layout.treedef == jax.tree.structure(anchor)
+    if isinstance(payload, Gathered) and not direct(payload):  # in parts, over leaf lists
+        step = lambda part_payload, sub: outer_update(
+            spec,
+            part_payload,
+            *sub,
+            apply=apply,
+            gap_correction=gap_correction,
+            implementation=implementation,
+            block_sizes=block_sizes,
+        )
+        return _by_parts(step, payload, (anchor, momentum, params, old_pending, gap_scale))
     replicas = payload.replicas if isinstance(payload, Gathered) else 1
     impl = resolve(implementation, replicas)
     trees = dict(
@@ -133,6 +160,28 @@ def outer_update(
     except NotImplementedError as e:
         warnings.warn(f"fused outer update: {e}; using the XLA reference", stacklevel=2)
         return _reference(spec, payload, trees, apply, gap_correction)
+
+
+def _by_parts(step, payload: Gathered, trees: tuple) -> OuterUpdateOut:
+    """:func:`outer_update` run on each part of a payload gathered in several buffers, over
+    that part's leaves, and the outputs put back together."""
+    structure = jax.tree.structure(trees[0])
+    columns = [_leaves_or_none(t) for t in trees]
+    fields = ("anchor", "momentum", "pending", "gap_scale")
+    merged: dict[str, list | None] = {f: None for f in fields}
+    total = jnp.zeros([], jnp.float32)
+    for part in payload.parts:
+        sub = [None if c is None else [c[i] for i in part.leaves] for c in columns]
+        out = step(Gathered(part.buffer, part.layout, part.scales), sub)
+        for f in fields:
+            values = getattr(out, f)
+            if values is not None:
+                merged[f] = merged[f] or [None] * structure.num_leaves
+                for i, x in zip(part.leaves, values, strict=True):
+                    merged[f][i] = x
+        total = total + out.penalty_sum
+    unflatten = lambda leaves: None if leaves is None else jax.tree.unflatten(structure, leaves)
+    return OuterUpdateOut(*(unflatten(merged[f]) for f in fields), total)
 
 
 def _check_trees(spec, payload, trees):
@@ -202,7 +251,7 @@ def _row(value) -> jax.Array:
 def _pallas(spec, payload, trees, apply, gap_correction, impl, block_sizes) -> OuterUpdateOut:
     backend = current_backend()
     interpret = impl == "interpret"
-    if not interpret and backend not in ("tpu", "gpu", "cuda", "rocm"):
+    if not interpret and backend not in LOWERED:
         raise NotImplementedError(f"no Pallas lowering of the kernel for backend {backend!r}")
     anchors = jax.tree.leaves(trees["anchor"])
     for name, tree in trees.items():

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +146,17 @@ def make_layout(tree: Any, block_rows: int, signatures: Any = None) -> Layout:
     return Layout(treedef, shapes, dtypes, tuple(segments), offset, block_rows)
 
 
+class Part(NamedTuple):
+    """One group of leaves of a :class:`Gathered` payload: its buffer ``[R, rows, 128]``,
+    optional int8 ``scales`` ``[R, rows]``, its layout (over the list of the group's leaves)
+    and the group's leaf indices in the whole tree."""
+
+    buffer: jax.Array
+    layout: Layout
+    scales: jax.Array | None
+    leaves: tuple[int, ...]
+
+
 @jax.tree_util.register_pytree_node_class
 class Gathered:
     """The replicas' payloads, all-gathered and not yet reduced: ``buffer`` is
@@ -155,35 +166,79 @@ class Gathered:
     replica r's row i is ``buffer[r, i] * scales[r, i]`` (int8 with one scale per 128-lane
     row, :func:`co2jax.kernels.quantize.quantize_int8`).
 
-    A fused outer update reads the R payloads straight from ``buffer`` (and ``scales``) and
+    Inside ``shard_map`` a payload whose leaves vary over different mesh axes (a data shard
+    beside a whole leaf) is gathered as one buffer per group (:meth:`of_parts`): a buffer
+    mixing them would type, and compute, the whole leaf as a function of the shard.
+
+    A fused outer update reads the R payloads straight from the buffers (and scales) and
     averages them in its own pass; :meth:`mean` gives the averaged pytree for everything
     else.
     """
 
     def __init__(self, buffer: jax.Array, layout: Layout, scales: jax.Array | None = None):
-        self.buffer = buffer
-        self.layout = layout
-        self.scales = scales
-
-    def tree_flatten(self):
-        return (self.buffer, self.scales), self.layout
+        n = len(layout.shapes)
+        self.parts = (Part(buffer, layout, scales, tuple(range(n))),)
+        self.treedef = layout.treedef
 
     @classmethod
-    def tree_unflatten(cls, layout, children):
-        return cls(children[0], layout, children[1])
+    def of_parts(cls, parts: list[Part], treedef: Any) -> Gathered:
+        """A payload gathered as several buffers, each over the leaves ``part.leaves``."""
+        out = cls.__new__(cls)
+        out.parts, out.treedef = tuple(parts), treedef
+        return out
+
+    def tree_flatten(self):
+        children = tuple((p.buffer, p.scales) for p in self.parts)
+        aux = (tuple((p.layout, p.leaves) for p in self.parts), self.treedef)
+        return children, aux
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        layouts, treedef = aux
+        parts = [
+            Part(b, lay, s, leaves) for (b, s), (lay, leaves) in zip(children, layouts, strict=True)
+        ]
+        return cls.of_parts(parts, treedef)
+
+    def _single(self) -> Part:
+        if len(self.parts) != 1:
+            raise ValueError(f"this payload is gathered in {len(self.parts)} parts; read .parts")
+        return self.parts[0]
+
+    @property
+    def buffer(self) -> jax.Array:
+        return self._single().buffer
+
+    @property
+    def layout(self) -> Layout:
+        return self._single().layout
+
+    @property
+    def scales(self) -> jax.Array | None:
+        return self._single().scales
 
     @property
     def replicas(self) -> int:
-        return self.buffer.shape[-3]
+        return self.parts[0].buffer.shape[-3]
 
     def decoded(self) -> jax.Array:
-        """The R payloads in float32, ``[R, total_rows, 128]``."""
-        values = self.buffer.astype(jnp.float32)
-        return values if self.scales is None else values * self.scales[..., None]
+        """The R payloads in float32, ``[R, total_rows, 128]`` (one part only)."""
+        part = self._single()
+        return _decode(part)
 
     def mean(self) -> Any:
         """The float32 mean over replicas, as a pytree in the payload's dtypes."""
-        return self.layout.unpack(jnp.mean(self.decoded(), axis=-3))
+        leaves: list[Any] = [None] * self.treedef.num_leaves
+        for part in self.parts:
+            mean = part.layout.unpack(jnp.mean(_decode(part), axis=-3))
+            for i, x in zip(part.leaves, jax.tree.leaves(mean), strict=True):
+                leaves[i] = x
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _decode(part: Part) -> jax.Array:
+    values = part.buffer.astype(jnp.float32)
+    return values if part.scales is None else values * part.scales[..., None]
 
 
 # Per-row scales travel lane-dense ([R, rows] arrays in (R, block_rows) blocks), not as a

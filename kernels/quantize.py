@@ -1,7 +1,7 @@
 """Pallas kernels for int8 pseudo-gradients: per-row quantize, and dequantize-and-average.
 
-The layout is the fused update's: 128-lane rows, one float32 scale per row (a block of
-:func:`co2jax.compression.int8` with ``block=128``). Two kernels, each one pass over memory:
+The layout is the fused update's: 128-lane rows, one float32 scale per row (a block of the
+int8 codec of :mod:`co2jax.comm` with ``block=128``). Two kernels, each one pass over memory:
 
 - :func:`quantize_int8`: ``x [rows, 128] -> (q int8 [rows, 128], scale f32 [rows])`` with
   ``scale = max|x| / 127`` per row and ``q = round(x / scale)``;
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from co2jax.kernels.api import check_implementation, current_backend
+from co2jax.kernels.api import current_backend, resolve
 from co2jax.kernels.layout import as_column, as_row
 from co2jax.kernels.spec import LANES, BlockSizes, default_block_sizes
 
@@ -88,14 +88,9 @@ def _params(backend: str, interpret: bool):
     return plgpu.CompilerParams(num_warps=4, num_stages=1)
 
 
-def _resolve(implementation: str) -> tuple[str, str]:
-    check_implementation(implementation)
-    backend = current_backend()
-    if implementation == "auto":
-        implementation = "pallas" if backend == "tpu" else "xla"
-    if implementation == "pallas" and backend not in ("tpu", "gpu", "cuda", "rocm"):
-        implementation = "xla"  # no Pallas lowering for this backend: the reference
-    return implementation, backend
+def _resolve(implementation: str, replicas: int | None = None) -> tuple[str, str]:
+    """The implementation (:func:`co2jax.kernels.api.resolve`) and the target backend."""
+    return resolve(implementation, replicas), current_backend()
 
 
 def _encode_call(kernel, x, width, dtype, fmt, impl, backend, block_sizes):
@@ -172,7 +167,7 @@ def dequantize_mean_int8(
     block_sizes: BlockSizes | None = None,
 ) -> jax.Array:
     """The float32 mean of R int8 payloads ``q [R, rows, 128]`` with scales ``[R, rows]``."""
-    impl, backend = _resolve(implementation)
+    impl, backend = _resolve(implementation, q.shape[0] if q.ndim == 3 else None)
     if q.ndim != 3 or q.shape[2] != LANES or scale.shape != q.shape[:2]:
         raise ValueError(
             f"need q [R, rows, {LANES}] and scale [R, rows], got {q.shape}, {scale.shape}"
@@ -215,22 +210,29 @@ def _values(fmt: str, code: jax.Array) -> jax.Array:
 
 
 def quantize_packed_reference(x: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:
-    """``compression.fp4(128)`` / ``two_bit(128)``'s encoding of each row of ``x [rows, 128]``:
-    ``(packed uint8 [rows, 128 * bits / 8], scale f32 [rows])``."""
-    from co2jax import compression as cx
-
-    codec = {"fp4": cx.fp4, "2bit": cx.two_bit}[fmt](LANES, implementation="xla")
-    return codec.encode(x.astype(jnp.float32).reshape(-1))
+    """Codes of each row of ``x [rows, B]`` (any B that the codes per byte divide) against
+    the row's ``scale = max|x|``, packed by planes (byte j holds codes j, j + B/per, ...,
+    lowest bits first): ``(packed uint8 [rows, B * bits / 8], scale f32 [rows])``."""
+    bits = PACKED_BITS[fmt]
+    per = 8 // bits
+    x = x.astype(jnp.float32)
+    rows, width = x.shape
+    scale = jnp.max(jnp.abs(x), axis=1)
+    codes = _codes(fmt, x, scale[:, None]).reshape(rows, per, width // per)
+    shifts = (jnp.arange(per, dtype=jnp.int32) * bits)[None, :, None]
+    return jnp.sum(codes << shifts, axis=1).astype(jnp.uint8), scale
 
 
 def dequantize_mean_packed_reference(packed: jax.Array, scale: jax.Array, fmt: str) -> jax.Array:
-    """The float32 mean of R packed payloads ``[R, rows, W]`` with scales ``[R, rows]``."""
-    from co2jax import compression as cx
-
-    codec = {"fp4": cx.fp4, "2bit": cx.two_bit}[fmt](LANES, implementation="xla")
-    n = scale.shape[1] * LANES
-    decoded = [codec.decode((packed[r], scale[r]), n) for r in range(packed.shape[0])]
-    return jnp.mean(jnp.stack(decoded), axis=0).reshape(-1, LANES)
+    """The float32 mean ``[rows, B]`` of R packed payloads ``[R, rows, B * bits / 8]`` with
+    scales ``[R, rows]`` (R = 1: one payload decoded)."""
+    bits = PACKED_BITS[fmt]
+    per = 8 // bits
+    shifts = (jnp.arange(per, dtype=jnp.int32) * bits)[None, None, :, None]
+    codes = (packed.astype(jnp.int32)[:, :, None, :] >> shifts) & ((1 << bits) - 1)
+    replicas, rows = packed.shape[:2]
+    values = _values(fmt, codes.reshape(replicas, rows, -1)) * scale[..., None]
+    return jnp.mean(values, axis=0)
 
 
 def _quantize_packed_kernel(x_ref, p_ref, s_ref, *, fmt: str):
@@ -275,8 +277,8 @@ def quantize_packed(
     """FP4 E3M0 (``fmt="fp4"``) or ternary 2-bit (``"2bit"``) codes of ``x [rows, 128]``, one
     scale ``max|x|`` per row, packed by planes: ``(packed uint8 [rows, 64 or 32], scale)``.
 
-    Bit for bit the encoding of :func:`co2jax.compression.fp4` / ``two_bit`` with
-    ``block=128``.
+    Bit for bit :func:`quantize_packed_reference`, which is the encoding of the ``fp4`` /
+    ``two_bit`` codecs of :mod:`co2jax.comm`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -306,7 +308,7 @@ def dequantize_mean_packed(
     """The float32 mean ``[rows, 128]`` of R packed payloads ``[R, rows, 64 or 32]`` with
     scales ``[R, rows]``, decoded and summed in one pass."""
     width = _check_fmt(fmt)
-    impl, backend = _resolve(implementation)
+    impl, backend = _resolve(implementation, packed.shape[0] if packed.ndim == 3 else None)
     if packed.ndim != 3 or packed.shape[2] != width or scale.shape != packed.shape[:2]:
         raise ValueError(
             f"need packed [R, rows, {width}] and scale [R, rows], got {packed.shape}, {scale.shape}"

@@ -3,7 +3,7 @@
 Usage: ``python multijob_worker.py RANK ADDRESSES OUT_DIR [MODE]`` with ADDRESSES
 comma-separated ``host:port`` of every job's transfer server. Runs ROUNDS rounds of each
 algorithm in ``ALGORITHMS`` on the textbook problem (this job's replica slice of the data)
-with :class:`co2jax.multijob.JobTrainer` and saves every round's parameters as
+with :class:`co2jax.JobTrainer` and saves every round's parameters as
 ``OUT_DIR/{name}_{RANK}.npy`` ([rounds, dim]). MODE ``die`` makes the job exit after its first
 round (a peer dying mid-run); ``wait`` runs with a short timeout and records a PeerError in
 ``OUT_DIR/error_{RANK}.txt``, saving the state it had before the failed round.
@@ -32,7 +32,6 @@ def main(rank: str, addresses: str, out_dir: str, mode: str = "run") -> None:
     from test_engine import LR, H, engine_loss, textbook_batch
 
     import co2jax
-    from co2jax import multijob
 
     rank = int(rank)
     timeout = 10.0 if mode == "wait" else 120.0
@@ -42,11 +41,11 @@ def main(rank: str, addresses: str, out_dir: str, mode: str = "run") -> None:
     for step, name in enumerate(ALGORITHMS):
         # each algorithm gets its own ports: a transfer server lives as long as the process
         ports = [a.rpartition(":") for a in addresses.split(",")]
-        peers = multijob.Peers(
+        peers = co2jax.Peers(
             tuple(f"{h}:{int(p) + step}" for h, _, p in ports), rank, timeout_s=timeout
         )
         outer = next(case for case in CASES if case.name == name).make()
-        trainer = multijob.JobTrainer(engine_loss, optax.sgd(LR), outer, peers, H, mesh)
+        trainer = co2jax.JobTrainer(engine_loss, optax.sgd(LR), outer, peers, H, mesh)
         state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
         out = []
         for r in range(ROUNDS):
@@ -54,7 +53,7 @@ def main(rank: str, addresses: str, out_dir: str, mode: str = "run") -> None:
                 os._exit(3)
             try:
                 state, _ = trainer.round(state, batch)
-            except multijob.PeerError as e:
+            except co2jax.PeerError as e:
                 with open(os.path.join(out_dir, f"error_{rank}.txt"), "w") as f:
                     f.write(str(e))
                 # the state of the last completed round is intact and readable

@@ -13,6 +13,7 @@ from flax import nnx
 from test_algorithms import CASES, IDS
 
 import co2jax
+from co2jax.tree import join_chunks
 
 LR, H, ROUNDS = 0.05, 3, 4
 TOL = harness.TOL[jnp.dtype(jnp.float32)]
@@ -142,14 +143,15 @@ def test_works_inside_nnx_optimizer():
 # ---------------------------------------------------------------------------------------------
 # spreading a delayed reduction over the round's steps
 
-DELAYED = [c for c in CASES if c.make().staleness >= 1]
+DELAYED = [c for c in CASES if c.make().overlapped]
 DELAYED_IDS = [c.name for c in DELAYED]
 
 
 @pytest.mark.parametrize("sync_every", [3, 4])
 @pytest.mark.parametrize("case", DELAYED, ids=DELAYED_IDS)
 def test_spread_equals_unspread(case, sync_every, problem):
-    """H=4 > the leaf sizes, so chunk starts are clamped and some elements reduced twice."""
+    """H=4 > the leaf sizes, so chunks are zero-padded (leaf "b" has 2 elements in 4
+    chunks of 1)."""
     runs, reduced, expected = [], None, None
     for spread in (True, False):
         outer = case.make()
@@ -161,11 +163,12 @@ def test_spread_equals_unspread(case, sync_every, problem):
         step = harness.vmap_step(tx)
         for i in range(ROUNDS * sync_every):
             if spread and i == 2 * sync_every:  # the start of round 2: the payload is known
-                payload = jax.vmap(outer.payload)(params, state.outer_state)
+                send = jax.vmap(lambda p, s, o=outer: o.send(p, s, 0)[0])
+                payload = send(params, state.outer_state)
                 expected = jax.vmap(outer.reduce, axis_name="replica")(payload)
             params, state = step(params, state, d, c)
             if spread and i == 3 * sync_every - 1:  # what the sync of round 2 applied
-                reduced = state.reduced
+                reduced = jax.vmap(join_chunks)(state.inflight[0], payload)
         runs.append(np.asarray(harness.flatten(params)))
     # the assembled reduction is exactly the unchunked one
     for a, b in zip(jax.tree.leaves(reduced), jax.tree.leaves(expected), strict=True):
@@ -186,7 +189,7 @@ def _run_shard_step(tx, problem, mesh, steps):
 @pytest.mark.parametrize("kind", ["pmean", "all_gather", "ring"])
 def test_spread_under_shard_map(kind, problem):
     mesh = harness.make_mesh(replica=4, data=2)
-    reduce = co2jax.reducers.make(kind)
+    reduce = co2jax.comm.exact_mean(kind)
     outer = lambda: co2jax.co2(1.0, 0.5, clip_threshold=0.1)
     spread = co2jax.local_updates(optax.sgd(LR), outer(), H, spread=True, reduce=reduce)
     plain = co2jax.local_updates(optax.sgd(LR), outer(), H, spread=False)
@@ -221,5 +224,5 @@ def test_unspread_sync_waits_for_the_gradients(problem):
 
 
 def test_spread_needs_a_delayed_algorithm():
-    with pytest.raises(ValueError, match="staleness=0"):
+    with pytest.raises(ValueError, match="spread=True needs a transfer sent before"):
         co2jax.local_updates(optax.sgd(LR), co2jax.local_sgd(), H, spread=True)

@@ -51,13 +51,7 @@ def test_inner_steps_have_no_replica_collective(mesh):
     """The inner loop alone: gradients averaged over "data", nothing over "replica"."""
     problem = tb.make_problem()
     inner = optax.adam(0.1)
-    identity = co2jax.OuterOptimizer(
-        init=lambda p: (),
-        sync=lambda p, s: (p, s),
-        payload=lambda p, s: (),
-        reduce=lambda x: x,
-        apply=lambda p, s, r: (p, s),
-    )
+    identity = co2jax.no_sync()
     fn = harness.shard_round(identity, inner, mesh, H)
     hlo = fn.lower(*_round_args(identity, problem, mesh, inner)).compile().as_text()
     assert harness.count_replica_collectives(hlo, mesh) == 0

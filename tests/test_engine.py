@@ -148,7 +148,7 @@ def test_delayed_reduction_is_independent_of_the_inner_loop(case, reducer, probl
     report = overlap.overlap_report(trainer._get(state), state, batch)
     assert report.in_loop == 0, "inner steps must not communicate over the replica axis"
     assert report.loops == 1 and report.collectives >= 1
-    if outer.staleness:
+    if outer.overlapped:
         assert report.independent, report
     else:  # a synchronous sync must wait for the loop: the checker sees that
         assert report.after_loop == report.collectives and not report.independent
@@ -214,14 +214,14 @@ def test_ddp_through_the_engine(problem, mesh):
 
 
 def test_auto_reducer_policy():
-    auto = co2jax.engine.auto_reducer
-    assert auto("cpu", 4, 1) == auto("gpu", 4, 1) == "pmean"
-    assert auto("tpu", 4, 0) == "pmean"  # a synchronous sync overlaps nothing
-    assert auto("tpu", 2, 1, 1_000_000) == "all_gather"
-    assert auto("tpu", 8, 1, 1_000_000) == "ring"  # all-gather traffic grows with R
-    limit = co2jax.engine.ALL_GATHER_LIMIT
-    assert auto("tpu", 2, 1, limit // 8) == "all_gather"
-    assert auto("tpu", 2, 1, limit // 8 + 1) == "ring"  # R float32 copies would not fit
+    auto = co2jax.comm.policy.auto_kind
+    assert auto("cpu", 4, True) == auto("gpu", 4, True) == "pmean"
+    assert auto("tpu", 4, False) == "pmean"  # a synchronous sync overlaps nothing
+    assert auto("tpu", 2, True, 1_000_000) == "all_gather"
+    assert auto("tpu", 8, True, 1_000_000) == "ring"  # all-gather traffic grows with R
+    limit = co2jax.comm.policy.ALL_GATHER_LIMIT
+    assert auto("tpu", 2, True, limit // 8) == "all_gather"
+    assert auto("tpu", 2, True, limit // 8 + 1) == "ring"  # R float32 copies would not fit
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

@@ -87,10 +87,9 @@ def test_refuses_replica_local_anchors():
 def test_requires_an_anchor():
     bare = co2jax.OuterOptimizer(
         init=lambda p: (),
-        sync=lambda p, s: (p, s),
-        payload=lambda p, s: p,
-        reduce=lambda x: x,
-        apply=lambda p, s, r: (p, s),
+        send=lambda p, s, i: (p, s),
+        reducer=co2jax.comm.pmean(),
+        apply=lambda p, s, i, r: (p, s),
     )
     with pytest.raises(TypeError, match="anchor"):
         co2jax.skip_nonfinite(bare).init(jnp.zeros(2))

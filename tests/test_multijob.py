@@ -20,7 +20,6 @@ from test_algorithms import CASES
 from test_engine import run_engine
 
 import co2jax
-from co2jax import multijob
 
 TESTS = Path(__file__).parent
 TIMEOUT_S = 240
@@ -118,7 +117,7 @@ def test_missing_peer_fails_with_a_clear_error(tmp_path):
     codes = launch(tmp_path, {0: "wait"})
     assert codes == {0: 0}, _logs(tmp_path)
     error = (tmp_path / "error_0.txt").read_text()
-    assert "step 0" in error and "1 (127.0.0.1:" in error and "timeout_s=10.0" in error, error
+    assert "round 0" in error and "1 (127.0.0.1:" in error and "timeout_s=10.0" in error, error
     problem = tb.make_problem(replicas=worker.REPLICAS, examples=2)
     kept = np.load(tmp_path / "kept_0.npy")
     np.testing.assert_array_equal(kept, problem.theta0.astype(np.float32))
@@ -129,7 +128,7 @@ def test_peer_dying_mid_run_fails_the_others_cleanly(tmp_path):
     keeps the state of the first round, which is the SPMD engine's."""
     codes = launch(tmp_path, {0: "wait", 1: "die"})
     assert codes == {0: 0, 1: 3}, _logs(tmp_path)
-    assert "step 1" in (tmp_path / "error_0.txt").read_text()
+    assert "round 1" in (tmp_path / "error_0.txt").read_text()
     want = _spmd(worker.ALGORITHMS[0], rounds=1)
     np.testing.assert_allclose(np.load(tmp_path / "kept_0.npy"), want[0, 0], rtol=1e-6)
 
@@ -147,18 +146,18 @@ def test_peer_dying_mid_run_fails_the_others_cleanly(tmp_path):
 )
 def test_peers_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        multijob.Peers(**kwargs)
+        co2jax.Peers(**kwargs)
 
 
 def test_peers_from_env_and_file(tmp_path, monkeypatch):
     monkeypatch.setenv("CO2JAX_PEERS", "127.0.0.1:7000, 127.0.0.1:7001")
     monkeypatch.setenv("CO2JAX_RANK", "1")
-    peers = multijob.Peers.from_env(timeout_s=5)
+    peers = co2jax.Peers.from_env(timeout_s=5)
     assert peers.addresses == ("127.0.0.1:7000", "127.0.0.1:7001") and peers.rank == 1
     path = tmp_path / "peers.json"
     path.write_text('{"addresses": ["h:1", "h:2", "h:3"], "latency_ms": 20}')
-    peers = multijob.Peers.from_file(str(path), rank=2)
+    peers = co2jax.Peers.from_file(str(path), rank=2)
     assert peers.replicas == 3 and peers.latency_ms == 20
     monkeypatch.delenv("CO2JAX_RANK")
     with pytest.raises(ValueError, match="CO2JAX_RANK"):
-        multijob.Peers.from_env()
+        co2jax.Peers.from_env()

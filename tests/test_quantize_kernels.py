@@ -42,9 +42,9 @@ def test_dequantize_mean_matches_reference(replicas, rows):
 
 
 def test_the_int8_codec_collective_uses_the_kernel_path():
-    """compression.int8(block=128): all_gather_compressed decodes and averages through
+    """the int8 codec (block=128): all_gather_compressed decodes and averages through
     dequantize_mean_int8 (here in the interpreter) with the same result as the reference."""
-    from co2jax import compression as cx
+    from co2jax import comm as cx
 
     payload = jnp.asarray(np.random.default_rng(0).normal(size=(4, 300)), jnp.float32)
     outs = {}
@@ -97,7 +97,7 @@ PACKED = ["fp4", "2bit"]
 @pytest.mark.parametrize("fmt", PACKED)
 @pytest.mark.parametrize("rows", [1, 83])
 def test_quantize_packed_is_the_codec_encoding(fmt, rows):
-    """Bit for bit compression.fp4(128) / two_bit(128)'s encoding (signs, zero rows)."""
+    """Bit for bit the fp4(128) / two_bit(128)'s encoding (signs, zero rows)."""
     x = _x(rows)
     p, s = qk.quantize_packed(x, fmt, implementation="interpret", block_sizes=BLOCK)
     wp, ws = qk.quantize_packed_reference(x, fmt)
@@ -116,7 +116,7 @@ def test_dequantize_mean_packed_matches_reference(fmt, replicas):
     want = qk.dequantize_mean_packed_reference(p, s, fmt)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
     # and the reference is the mean of the decoded payloads, element for element
-    from co2jax import compression as cx
+    from co2jax import comm as cx
 
     codec = {"fp4": cx.fp4, "2bit": cx.two_bit}[fmt](128, implementation="xla")
     one = codec.decode(enc[0], 83 * 128).reshape(83, 128)
@@ -129,7 +129,7 @@ def test_dequantize_mean_packed_matches_reference(fmt, replicas):
 def test_codec_collectives_run_the_kernels(name, collective):
     """block=128 codecs encode and decode-average through the kernels (interpreter) inside
     both compressed collectives, with the reference path's result."""
-    from co2jax import compression as cx
+    from co2jax import comm as cx
 
     payload = jnp.asarray(np.random.default_rng(0).normal(size=(4, 1000)), jnp.float32)
     outs, texts = {}, {}

@@ -11,7 +11,7 @@ import textbook as tb
 from jax.sharding import PartitionSpec as P
 
 import co2jax
-from co2jax import reducers
+from co2jax import comm
 
 TOL = harness.TOL[jnp.dtype(jnp.float32)]
 
@@ -24,28 +24,28 @@ def _payload(R, dtype=jnp.float32):
     }
 
 
-@pytest.mark.parametrize("kind", reducers.KINDS)
+@pytest.mark.parametrize("kind", comm.EXACT)
 @pytest.mark.parametrize("R", [1, 2, 3, 4])
 def test_vmap_equals_mean(kind, R):
     payload = _payload(R)
-    got = jax.vmap(reducers.make(kind), axis_name="replica")(payload)
+    got = jax.vmap(comm.exact_mean(kind), axis_name="replica")(payload)
     for k in payload:
         want = np.broadcast_to(np.asarray(payload[k]).mean(0), payload[k].shape)
         np.testing.assert_allclose(got[k], want, **TOL)
 
 
-@pytest.mark.parametrize("kind", reducers.KINDS)
+@pytest.mark.parametrize("kind", comm.EXACT)
 def test_keeps_dtype(kind):
     payload = _payload(4, jnp.bfloat16)
-    got = jax.vmap(reducers.make(kind), axis_name="replica")(payload)
+    got = jax.vmap(comm.exact_mean(kind), axis_name="replica")(payload)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got))
 
 
-@pytest.mark.parametrize("kind", reducers.KINDS)
+@pytest.mark.parametrize("kind", comm.EXACT)
 def test_shard_map_equals_mean(kind):
     mesh = harness.make_mesh(replica=4, data=2)
     payload = harness.place(_payload(4), mesh, P("replica"))
-    reduce = reducers.make(kind)
+    reduce = comm.exact_mean(kind)
     fn = jax.jit(
         jax.shard_map(
             lambda p: jax.tree.map(lambda x: x[None], reduce(jax.tree.map(lambda x: x[0], p))),
@@ -68,22 +68,72 @@ def test_shard_map_equals_mean(kind):
         assert "all-reduce" not in ops
 
 
-@pytest.mark.parametrize("kind", reducers.KINDS)
+@pytest.mark.parametrize("kind", comm.EXACT)
 def test_as_the_reduce_of_an_algorithm(kind):
     """Any reducer plugs into a factory and gives the same trajectory."""
     problem = tb.make_problem()
-    outer = co2jax.co2(1.0, 0.5, reduce=reducers.make(kind))
+    outer = co2jax.co2(1.0, 0.5, reduce=comm.exact_mean(kind))
     got, _ = harness.run_vmap(outer, problem, 0.1, 3, 4)
     np.testing.assert_allclose(got, tb.co2_paper(problem, 0.1, 3, 4, 1.0, 0.5), **TOL)
 
 
 def test_unknown_kind():
     with pytest.raises(ValueError, match="reducer='tree'"):
-        reducers.make("tree")
+        comm.exact_mean("tree")
 
 
 def test_wire_bytes():
-    assert reducers.wire_bytes("pmean", 100, 4) == 150.0
-    assert reducers.wire_bytes("ring", 100, 4) == 150.0
-    assert reducers.wire_bytes("all_gather", 100, 4) == 300.0
-    assert reducers.wire_bytes("pmean", 100, 1) == 0.0
+    """What each exact mean puts on the wire: the all-reduce and ring 2 (R-1)/R payloads (the
+    ring in float32), the all-gather R-1 payloads in the leaves' common dtype."""
+    f32 = {"a": jax.ShapeDtypeStruct((25,), jnp.float32)}
+    bf16 = {"a": jax.ShapeDtypeStruct((25,), jnp.bfloat16)}
+    assert comm.pmean().wire_bytes(f32, 4) == 150.0
+    assert comm.ring_mean().wire_bytes(f32, 4) == 150.0
+    assert comm.all_gather_mean().wire_bytes(f32, 4) == 300.0
+    assert comm.pmean().wire_bytes(f32, 1) == 0.0
+    assert comm.pmean().wire_bytes(bf16, 4) == 75.0
+    assert comm.ring_mean().wire_bytes(bf16, 4) == 150.0  # summed and sent in float32
+    assert comm.all_gather_mean().wire_bytes(bf16, 4) == 150.0  # gathered in bfloat16
+
+
+@pytest.mark.parametrize("kind", comm.EXACT)
+def test_gather_form_equals_the_reduction(kind):
+    """Every exact mean has a gather form (what separate jobs exchange): the stacked
+    encodings combined equal the in-program reduction."""
+    payload = _payload(4)
+    reducer = comm.exact_mean(kind)
+    encoded = jax.vmap(reducer.encode)(payload)
+    combined = encoded.combine()
+    got = jax.vmap(reducer, axis_name="replica")(payload)
+    for k in payload:
+        np.testing.assert_allclose(combined[k], got[k][0], **TOL)
+
+
+def test_mixed_groups_are_gathered_apart():
+    """Inside shard_map a data shard beside a whole leaf: each group of leaves with the same
+    varying axes is gathered on its own, so the whole leaf stays data-invariant (the round
+    would otherwise not build under check_vma)."""
+    mesh = harness.make_mesh(replica=4, data=2)
+    x = harness.place(jnp.arange(16.0).reshape(4, 4), mesh, P("replica", "data"))
+    w = harness.place(jnp.arange(12.0).reshape(4, 3), mesh, P("replica"))
+    for reducer in (comm.all_gather_mean(), comm.ring_mean()):
+
+        def body(x, w, reducer=reducer):
+            out = reducer({"x": x[0], "w": w[0]})
+            return out["x"][None], out["w"][None]
+
+        fn = jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P("replica", "data"), P("replica")),
+                out_specs=(P("replica", "data"), P("replica")),
+            )
+        )
+        gx, gw = fn(x, w)
+        np.testing.assert_allclose(
+            gx, np.broadcast_to(np.arange(16.0).reshape(4, 4).mean(0), (4, 4))
+        )
+        np.testing.assert_allclose(
+            gw, np.broadcast_to(np.arange(12.0).reshape(4, 3).mean(0), (4, 3))
+        )

@@ -40,35 +40,29 @@ def _outer(tau, alpha, count=2, sync_every=H, reduce=None):
 
 
 def run_steps(outer, params, grad_fn, lr, steps, record=None):
-    """Step-by-step vmap simulation of whole rounds: at each boundary the fragment events
-    due there, then one inner SGD step. Returns the replicas' local params at the end of each
-    round; ``record`` receives ``(params, state)`` after every step's boundary events."""
-    H = outer.sync_every
-    events = outer.events(lambda c: c, lambda c, p, s: (p, s))
-    carry, values, rounds = (params, jax.vmap(outer.init)(params)), {}, []
-    step = jax.jit(jax.vmap(lambda p, r: jax.tree.map(lambda x, g: x - lr * g, p, grad_fn(p, r))))
+    """Step-by-step vmap simulation through the per-step adapter (plain SGD inside
+    :func:`co2jax.local_updates`). Returns the replicas' local params at the end of each
+    round; ``record`` receives ``(params, outer state)`` before the first step and after
+    every step (the transfers applied at that boundary included)."""
+    tx = co2jax.local_updates(optax.sgd(lr), outer, outer.period)
+    state = jax.vmap(tx.init)(params)
+
+    def step(p, s, r):
+        updates, s = tx.update(grad_fn(p, r), s, p)
+        return optax.apply_updates(p, updates), s
+
+    step = jax.jit(jax.vmap(step, axis_name="replica"))
     replica = jnp.arange(jax.tree.leaves(params)[0].shape[0])
-
-    def run_events(boundary, carry):
-        for e in events:
-            if e.at == boundary and isinstance(e, co2jax.segments.Issue):
-                values[e.name] = jax.vmap(e.fn, axis_name="replica")(carry)
-            elif e.at == boundary:
-                carry = jax.vmap(e.fn, axis_name="replica")(carry, values.pop(e.name))
-        return carry
-
-    for t in range(steps + 1):  # t inner steps done
-        if t and t % H == 0:  # the end of a round, then the start of the next
-            carry = run_events(H, carry)
-            rounds.append(carry[0])
-            carry = run_events(0, carry) if t < steps else carry
-        else:
-            carry = run_events(t % H, carry)
+    rounds = []
+    if record is not None:
+        record.append((params, state.outer_state))
+    for t in range(steps):
+        params, state = step(params, state, replica)
         if record is not None:
-            record.append(carry)
-        if t < steps:
-            carry = (step(carry[0], replica), carry[1])
-    return rounds, carry
+            record.append((params, state.outer_state))
+        if (t + 1) % outer.period == 0:
+            rounds.append(params)
+    return rounds, (params, state)
 
 
 def _textbook_grad(problem):
@@ -93,9 +87,11 @@ def test_vmap_matches_textbook(tau, alpha, problem):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shard_outer_state", [False, True], ids=["whole", "sharded"])
 @pytest.mark.parametrize("tau, alpha", CASES)
-def test_round_engine_matches_textbook(tau, alpha, problem):
-    """shard_map on the (replica=4, data=2) mesh; the fragments' reductions as segment events."""
+def test_round_engine_matches_textbook(tau, alpha, shard_outer_state, problem):
+    """shard_map on the (replica=4, data=2) mesh; the fragments' reductions as segment events,
+    the outer state whole or split over data ("b" is split, the stacked "w" stays whole)."""
     mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
     want = tb.streaming_nesterov(problem, LR, H, ROUNDS, list(FLAT.values()), tau, alpha, ETA, MU)
 
@@ -105,6 +101,7 @@ def test_round_engine_matches_textbook(tau, alpha, problem):
         _outer(tau, alpha),
         mesh,
         sync_every=H,
+        shard_outer_state=shard_outer_state,
     )
     state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
     batch = textbook_batch(problem, H)
@@ -255,9 +252,18 @@ def test_bad_arguments():
         make_fragments({"a": jnp.zeros(2)}, 0)
     with pytest.raises(ValueError, match="cannot fill"):
         make_fragments({"a": jnp.zeros(2)}, 2)
-    with pytest.raises(ValueError, match="shard_outer_state"):
-        mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
-        co2jax.RoundTrainer(lambda p, b: 0.0, sgd, _outer(1, 0.5), mesh, H, shard_outer_state=True)
+    mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
+    with pytest.raises(ValueError, match="differs from the H"):
+        co2jax.RoundTrainer(lambda p, b: 0.0, sgd, _outer(1, 0.5), mesh, H + 1)
+    with pytest.raises(ValueError, match="during the round"):
+        outer = _outer(1, 0.5)
+        outer.sync(harness.unflatten(jnp.zeros(5)), outer.init(harness.unflatten(jnp.zeros(5))))
+    # a stacked leaf split along its layer axis (4 layers over data=2) cannot be fragmented
+    stacked = {"w": jnp.zeros((4, 3))}
+    outer = co2jax.streaming_diloco(sgd, make_fragments(stacked, 2, stacked="w"), H, 1)
+    trainer = co2jax.RoundTrainer(lambda p, b: 0.0, sgd, outer, mesh, H, shard_outer_state=True)
+    with pytest.raises(ValueError, match="layer axis"):
+        trainer.init(stacked)
 
 
 def test_fragments_of_per_layer_leaves():
@@ -275,32 +281,47 @@ def test_fragments_of_per_layer_leaves():
         np.testing.assert_array_equal(c, 1)
 
 
-def test_streaming_error_feedback(problem):
-    """Error feedback per fragment: with no compression it changes nothing; with a coarse
-    codec (1 element in 4 kept) it runs on the engine and its residuals are non-zero."""
-    from co2jax import compression as cx
+def _int8_outer(tau, block=4):
+    codec = co2jax.comm.int8(block=block)
+    return co2jax.error_feedback(_outer(tau, 0.5, reduce=co2jax.comm.all_gather_compressed(codec)))
 
+
+@pytest.mark.parametrize("tau", [0, 1, 2])
+def test_error_feedback_per_fragment_matches_textbook(tau, problem):
+    """int8 (blocks of 4) with error feedback, one residual per fragment, each from the
+    payload actually sent tau steps before its apply (before the fix the residual was
+    recomputed at the apply step: ~2e-3 off here with tau = 1)."""
+    compress = lambda x: tb.int8_roundtrip(x, 4)
+    fragments = list(FLAT.values())
+    want = tb.streaming_nesterov(
+        problem, LR, H, ROUNDS, fragments, tau, 0.5, ETA, MU, compress=compress
+    )
+    params = harness.initial_params(problem)
+    rounds, (_, state) = run_steps(_int8_outer(tau), params, _textbook_grad(problem), LR, H * 4)
+    got = np.stack([np.asarray(harness.flatten(p)) for p in rounds])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    residuals = np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.outer_state.residuals)])
+    assert np.abs(residuals).max() > 1e-4  # int8 of 4-element blocks leaves something out
+
+    mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
+    trainer = co2jax.RoundTrainer(engine_loss, optax.sgd(LR), _int8_outer(tau), mesh, H)
+    engine_state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
+    engine = []
+    for _ in range(ROUNDS):
+        engine_state, _ = trainer.round(engine_state, textbook_batch(problem, H))
+        engine.append(np.asarray(harness.flatten(jax.device_get(engine_state.params))))
+    np.testing.assert_allclose(np.stack(engine), want, rtol=1e-5, atol=1e-5)
+    assert trainer.reducer_kind == "outer"
+
+
+def test_error_feedback_without_compression_changes_nothing(problem):
     params = harness.initial_params(problem)
     grad = _textbook_grad(problem)
     plain, _ = run_steps(_outer(1, 0.5), params, grad, LR, 2 * H)
-    none = cx.error_feedback_streaming(
-        _outer(1, 0.5, reduce=cx.all_gather_compressed(cx.none())), cx.none()
+    none = co2jax.error_feedback(
+        _outer(1, 0.5, reduce=co2jax.comm.all_gather_compressed(co2jax.comm.none()))
     )
     got, _ = run_steps(none, params, grad, LR, 2 * H)
     np.testing.assert_allclose(
         np.asarray(harness.flatten(got[-1])), np.asarray(harness.flatten(plain[-1])), rtol=1e-6
     )
-    codec = cx.topk(1, chunk=4)
-    coarse = cx.error_feedback_streaming(
-        _outer(1, 0.5, reduce=cx.all_gather_compressed(codec)), codec
-    )
-
-    mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
-    trainer = co2jax.RoundTrainer(engine_loss, optax.sgd(LR), coarse, mesh, sync_every=H)
-    state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
-    for _ in range(2):
-        state, _ = trainer.round(state, textbook_batch(problem, H))
-    assert trainer.reducer_kind == "outer"
-    residual = np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.outer_state.residuals)])
-    assert np.abs(residual).max() > 0
-    assert np.isfinite(np.asarray(harness.flatten(state.params))).all()

@@ -142,7 +142,7 @@ def _compile_adapter_step(outer, mesh, **kw):
 
 def test_spread_chunk_is_asynchronous_in_every_step(mesh):
     """The per-step adapter: step k's chunk all-gather runs beside the step's compute."""
-    text = _compile_adapter_step(DELAYED["co2"](), mesh, reduce=co2jax.reducers.all_gather_mean())
+    text = _compile_adapter_step(DELAYED["co2"](), mesh, reduce=co2jax.comm.all_gather_mean())
     seq = hlo.entry_sequence(text)
     assert any(op.endswith("-start") for op in seq), seq
     assert not _entry_replica_sync(text, mesh), seq

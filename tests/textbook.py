@@ -176,11 +176,28 @@ def data_parallel_sgd(problem, lr, H, rounds):
     return np.array(out)
 
 
-def streaming_nesterov(problem, lr, H, rounds, fragments, tau, alpha, eta, mu):
+def int8_roundtrip(x, block):
+    """Symmetric int8 with a float32 scale max|x|/127 per block of ``block`` (zero-padded),
+    rounded half to even, in float32: what the int8 codec decodes to."""
+    n = x.size
+    xb = np.pad(np.asarray(x, np.float32), (0, (-n) % block)).reshape(-1, block)
+    s = (np.abs(xb).max(axis=1) / np.float32(127.0)).astype(np.float32)
+    q = np.round(xb / np.where(s > 0, s, np.float32(1.0))[:, None])
+    return (q * s[:, None]).astype(np.float32).reshape(-1)[:n]
+
+
+def streaming_nesterov(
+    problem, lr, H, rounds, fragments, tau, alpha, eta, mu, compress=None, decay=1.0
+):
     """Streaming DiLoCo: fragment p (flat indices) applied after (p+1)*H//P steps, sent tau
     steps earlier; Nesterov per fragment on the global copy; merge alpha*local + (1-alpha)*
-    global. Returns every replica's local parameters at the end of each round."""
+    global. Returns every replica's local parameters at the end of each round.
+
+    ``compress`` (a vector -> decoded vector function) sends each fragment with error
+    feedback: at the send step ``t = Delta + decay * e; c = compress(t); e = t - c`` per
+    replica and fragment, and the mean of the ``c`` is applied ``tau`` steps later."""
     R, P = problem.replicas, len(fragments)
+    e = [[np.zeros(len(idx)) for idx in fragments] for _ in range(R)]
     local = [problem.theta0.copy() for _ in range(R)]
     glob = problem.theta0.copy()
     b = [np.zeros(len(idx)) for idx in fragments]
@@ -191,7 +208,13 @@ def streaming_nesterov(problem, lr, H, rounds, fragments, tau, alpha, eta, mu):
         for k in range(H + 1):
             for p, idx in enumerate(fragments):
                 if send_at[p] == k:
-                    sent[p] = np.mean([glob[idx] - local[r][idx] for r in range(R)], axis=0)
+                    deltas = [glob[idx] - local[r][idx] for r in range(R)]
+                    if compress is not None:
+                        for r in range(R):
+                            target = deltas[r] + decay * e[r][p]
+                            deltas[r] = compress(target)
+                            e[r][p] = target - deltas[r]
+                    sent[p] = np.mean(deltas, axis=0)
                 if apply_at[p] == k:
                     g = sent.pop(p)
                     b[p] = mu * b[p] + g

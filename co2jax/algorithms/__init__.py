@@ -1,31 +1,42 @@
-"""The outer-optimizer algorithms."""
+"""The outer-optimizer algorithms, the wrappers beside them and the registry."""
 
+from co2jax.algorithms import registry
 from co2jax.algorithms.co2 import CO2MomentumState, co2, scale_by_co2_momentum
 from co2jax.algorithms.data_parallel import NoSyncState, data_parallel, no_sync
 from co2jax.algorithms.diloco import delayed_diloco, diloco, eager_diloco
+from co2jax.algorithms.error_feedback import ErrorFeedbackState, error_feedback
 from co2jax.algorithms.fused import FusableTransformation, outer_sgd
+from co2jax.algorithms.guards import SkipNonfiniteState, skip_nonfinite
 from co2jax.algorithms.local_sgd import local_sgd
 from co2jax.algorithms.pseudo_gradient import PseudoGradientState, pseudo_gradient_method
 from co2jax.algorithms.slowmo import SlowMomentumState, scale_by_slow_momentum, slowmo
 from co2jax.algorithms.sparseloco import sparseloco
+from co2jax.algorithms.streaming_diloco import StreamingState, streaming_diloco
 
 __all__ = [
     "CO2MomentumState",
+    "ErrorFeedbackState",
     "FusableTransformation",
+    "NoSyncState",
     "PseudoGradientState",
+    "SkipNonfiniteState",
     "SlowMomentumState",
+    "StreamingState",
     "co2",
     "data_parallel",
     "delayed_diloco",
     "diloco",
     "eager_diloco",
+    "error_feedback",
     "local_sgd",
     "no_sync",
     "outer_sgd",
-    "NoSyncState",
     "pseudo_gradient_method",
+    "registry",
     "scale_by_co2_momentum",
     "scale_by_slow_momentum",
+    "skip_nonfinite",
     "slowmo",
     "sparseloco",
+    "streaming_diloco",
 ]

@@ -11,16 +11,13 @@ import jax.numpy as jnp
 import optax
 
 from co2jax import penalties as _penalties
-from co2jax._base import (
-    REPLICA_AXIS,
-    OuterOptimizer,
-    Reducer,
-    check_positive,
-    check_unit_interval,
-)
+from co2jax._checks import check_positive, check_unit_interval
 from co2jax.algorithms.fused import Fusable, FusableTransformation
 from co2jax.algorithms.pseudo_gradient import pseudo_gradient_method
+from co2jax.axes import REPLICA
+from co2jax.comm.reducer import Reducer
 from co2jax.kernels.spec import OuterUpdateSpec
+from co2jax.protocol import OuterOptimizer
 
 MODES = ("paper", "reference_code")
 
@@ -137,7 +134,7 @@ def co2(
     penalty: _penalties.Penalty | Callable | None = None,
     mode: str = "paper",
     *,
-    axis_name: str = REPLICA_AXIS,
+    axis_name: str = REPLICA,
     reduce: Reducer | None = None,
     implementation: str = "auto",
 ) -> OuterOptimizer:
@@ -153,8 +150,8 @@ def co2(
 
     with ``Delta-bar^(-1) = 0`` (the first round's progress lands one round late). Replicas
     restart from ``theta^(t+1)``; their ``Delta_r^(t)`` is reduced during round t+1, so the
-    reduction can hide behind the inner steps (``staleness == 1``). Clipping is an
-    element-wise clamp of the momentum state and really clips.
+    reduction can hide behind the inner steps (it is sent at step 0 and applied at the end).
+    Clipping is an element-wise clamp of the momentum state and really clips.
 
     ``mode="reference_code"`` reproduces the released implementation: a synchronous average
     (``Delta-bar^(t)``, no delay), a constant penalty ``1/lambda``, and no clipping. The

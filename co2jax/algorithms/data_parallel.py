@@ -7,17 +7,14 @@ from typing import NamedTuple
 import jax
 import optax
 
-from co2jax._base import (
-    REPLICA_AXIS,
-    OuterOptimizer,
-    check_axis,
-    check_axis_name,
-    check_transform,
-)
+from co2jax._checks import check_axis_name, check_transform
+from co2jax.axes import REPLICA, axis_size
+from co2jax.comm.reducer import pmean
+from co2jax.protocol import OuterOptimizer
 
 
 def data_parallel(
-    inner: optax.GradientTransformation, *, axis_name: str = REPLICA_AXIS
+    inner: optax.GradientTransformation, *, axis_name: str = REPLICA
 ) -> optax.GradientTransformationExtraArgs:
     """Averages gradients over the replica axis every step, then applies ``inner``.
 
@@ -43,7 +40,7 @@ def data_parallel(
     inner = optax.with_extra_args_support(inner)
 
     def update(updates, state, params=None, **extra_args):
-        check_axis(axis_name)
+        axis_size(axis_name)
         updates = jax.tree.map(lambda g: jax.lax.pmean(g, axis_name), updates)
         return inner.update(updates, state, params, **extra_args)
 
@@ -57,7 +54,8 @@ class NoSyncState(NamedTuple):
 def no_sync() -> OuterOptimizer:
     """An outer optimizer that does nothing: the sync returns the parameters unchanged.
 
-    With :func:`data_parallel` as the inner transform (gradients already averaged over the
+    Its schedule is empty: nothing crosses the replica axis at a sync. With
+    :func:`data_parallel` as the inner transform (gradients already averaged over the
     replica axis every step), :class:`co2jax.RoundTrainer` runs plain DDP.
 
     Example:
@@ -68,8 +66,8 @@ def no_sync() -> OuterOptimizer:
     """
     return OuterOptimizer(
         init=lambda params: NoSyncState(),
-        sync=lambda params, state: (params, state),
-        payload=lambda params, state: (),
-        reduce=lambda payload: payload,
-        apply=lambda params, state, reduced: (params, state),
+        send=lambda params, state, i: ((), state),
+        reducer=pmean(),
+        apply=lambda params, state, i, reduced: (params, state),
+        schedule=(),
     )

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import optax
 
-from co2jax._base import REPLICA_AXIS, OuterOptimizer, Reducer, check_int
+from co2jax._checks import check_int
 from co2jax.algorithms.pseudo_gradient import pseudo_gradient_method
+from co2jax.axes import REPLICA
+from co2jax.comm.reducer import Reducer
+from co2jax.protocol import OuterOptimizer
 
 
 def diloco(
     outer_optimizer: optax.GradientTransformation,
     *,
-    axis_name: str = REPLICA_AXIS,
+    axis_name: str = REPLICA,
     reduce: Reducer | None = None,
     implementation: str = "auto",
 ) -> OuterOptimizer:
@@ -59,7 +62,7 @@ def delayed_diloco(
     outer_optimizer: optax.GradientTransformation,
     delay: int = 1,
     *,
-    axis_name: str = REPLICA_AXIS,
+    axis_name: str = REPLICA,
     reduce: Reducer | None = None,
     implementation: str = "auto",
 ) -> OuterOptimizer:
@@ -71,7 +74,7 @@ def delayed_diloco(
         \\bar\\Delta^{(s)} = 0 \\text{ for } s < 0
 
     The reduction of ``Delta_r^(t-d)`` needs nothing from round t, so it can run while round
-    t's inner steps compute (``staleness == delay``). ``delay=0`` is :func:`diloco`.
+    t's inner steps compute (it is sent before them). ``delay=0`` is :func:`diloco`.
 
     Args:
       outer_optimizer: any optax transform on the (delayed) averaged pseudo-gradient.
@@ -113,7 +116,7 @@ def eager_diloco(
     delay: int = 1,
     *,
     num_replicas: int | None = None,
-    axis_name: str = REPLICA_AXIS,
+    axis_name: str = REPLICA,
     reduce: Reducer | None = None,
     implementation: str = "auto",
 ) -> OuterOptimizer:

@@ -18,10 +18,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import jax
 import optax
 
-from co2jax._base import check_positive, check_unit_interval
+from co2jax._checks import check_positive, check_unit_interval
 from co2jax.kernels.spec import OuterUpdateSpec
 
 
@@ -85,7 +84,3 @@ def outer_sgd(
         return (state[0]._replace(trace=m), *state[1:]) if momentum is not None else state
 
     return FusableTransformation(base.init, base.update, Fusable(spec, split, merge))
-
-
-def tree_count(tree: Any) -> int:
-    return sum(x.size for x in jax.tree.leaves(tree))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import optax
 
-from co2jax._base import REPLICA_AXIS, OuterOptimizer, Reducer
 from co2jax.algorithms.pseudo_gradient import pseudo_gradient_method
+from co2jax.axes import REPLICA
+from co2jax.comm.reducer import Reducer
+from co2jax.protocol import OuterOptimizer
 
 
-def local_sgd(*, axis_name: str = REPLICA_AXIS, reduce: Reducer | None = None) -> OuterOptimizer:
+def local_sgd(*, axis_name: str = REPLICA, reduce: Reducer | None = None) -> OuterOptimizer:
     """Periodic model averaging: every replica restarts from the replicas' mean.
 
     .. math::

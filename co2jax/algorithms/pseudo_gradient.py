@@ -18,8 +18,8 @@ Because the mean is linear, reducing ``Delta_r`` rather than parameters is the s
 and needs no copy of the old anchor.
 
 With d >= 1 the payload reduced at round t was produced at round t - d and is kept in
-``pending``: it depends on the state only (``staleness = d``), so an engine can issue its
-reduction before the round's inner steps and hide it behind them.
+``pending``: it depends on the state only, so the schedule sends it before the round's first
+inner step (:data:`co2jax.protocol.DELAYED`) and a driver hides its reduction behind them.
 """
 
 from __future__ import annotations
@@ -31,23 +31,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from co2jax._base import (
-    REPLICA_AXIS,
-    OuterOptimizer,
-    Params,
-    Reducer,
-    check_axis,
-    check_axis_name,
-    check_int,
-    check_transform,
-    make_outer_optimizer,
-    replica_mean,
-    tree_select,
-    tree_sub,
-)
-from co2jax.algorithms.fused import fusable_of, tree_count
+from co2jax._checks import check_axis_name, check_int, check_transform
+from co2jax.algorithms.fused import fusable_of
+from co2jax.axes import REPLICA, axis_size
+from co2jax.comm import policy
+from co2jax.comm.reducer import Reducer, as_reducer, values
 from co2jax.kernels.api import check_implementation, outer_update
-from co2jax.kernels.layout import Gathered
+from co2jax.protocol import DELAYED, SYNCHRONOUS, OuterOptimizer, Params
+from co2jax.tree import tree_select, tree_size, tree_sub
 
 
 class PseudoGradientState(NamedTuple):
@@ -76,7 +67,7 @@ def pseudo_gradient_method(
     delay: int = 0,
     eager: bool = False,
     num_replicas: int | None = None,
-    axis_name: str = REPLICA_AXIS,
+    axis_name: str = REPLICA,
     reduce: Reducer | None = None,
     implementation: str = "auto",
 ) -> OuterOptimizer:
@@ -96,7 +87,8 @@ def pseudo_gradient_method(
         updates); requires ``delay >= 1`` and makes the anchor and outer state replica-local.
       num_replicas: R for the eager mix; ``None`` reads the size of ``axis_name``.
       axis_name: the replica axis.
-      reduce: the cross-replica reduction; defaults to the mean over ``axis_name``.
+      reduce: the cross-replica reduction (a :class:`co2jax.comm.Reducer`, or a plain
+        callable); defaults to the mean over ``axis_name``.
       implementation: for a fusable ``outer_optimizer``, the fused update's implementation:
         ``"auto"``, ``"pallas"``, ``"interpret"`` or ``"xla"`` (see :mod:`co2jax.kernels.api`).
 
@@ -110,24 +102,25 @@ def pseudo_gradient_method(
         raise ValueError(f"eager updates need delay >= 1, got delay={delay!r}")
     if num_replicas is not None:
         num_replicas = check_int("num_replicas", num_replicas, 1)
-    reduce = replica_mean(axis_name) if reduce is None else reduce
+    reducer = as_reducer(reduce, axis_name)
     check_implementation(implementation)
     fusable = fusable_of(outer_optimizer)
-    if fusable is not None and getattr(reduce, "stacked", None) is not None:
-        reduce = _fused_compressed(reduce, implementation, axis_name)
+    if fusable is not None:
+        reducer = policy.for_fused_update(reducer, implementation, axis_name)
 
     def init(params: Params) -> PseudoGradientState:
         pending = tuple(jax.tree.map(jnp.zeros_like, params) for _ in range(delay))
         count = jnp.zeros([], jnp.int32)
         return PseudoGradientState(params, outer_optimizer.init(params), pending, count)
 
-    def payload(params: Params, state: PseudoGradientState) -> Params:
-        return state.pending[0] if delay else tree_sub(state.anchor, params)
+    def send(params: Params, state: PseudoGradientState, i: int = 0):
+        return (state.pending[0] if delay else tree_sub(state.anchor, params)), state
+
+    def replicas() -> int:
+        return num_replicas if num_replicas is not None else axis_size(axis_name)
 
     def apply_fused(params: Params, state: PseudoGradientState, reduced: Any):
-        r = 0
-        if eager:
-            r = num_replicas if num_replicas is not None else check_axis(axis_name)
+        r = replicas() if eager else 0
         spec = dataclasses.replace(fusable.spec, delayed=bool(delay), eager_replicas=r)
         momentum, gap, gap_count = fusable.split(state.outer_state)
         applied = state.count >= delay if delay and not eager else jnp.bool_(True)
@@ -146,7 +139,7 @@ def pseudo_gradient_method(
             gap_correction=correction,
             implementation=implementation,
         )
-        mean_penalty = out.penalty_sum / max(1, tree_count(state.anchor))
+        mean_penalty = out.penalty_sum / max(1, tree_size(state.anchor))
         outer_state = fusable.merge(
             state.outer_state, out.momentum, out.gap_scale, mean_penalty, applied
         )
@@ -154,18 +147,17 @@ def pseudo_gradient_method(
         new_state = PseudoGradientState(out.anchor, outer_state, pending, state.count + 1)
         return out.anchor, new_state
 
-    def apply(params: Params, state: PseudoGradientState, reduced: Any):
+    def apply(params: Params, state: PseudoGradientState, i: int, reduced: Any):
         if fusable is not None:
             return apply_fused(params, state, reduced)
-        if isinstance(reduced, Gathered):
-            reduced = reduced.mean()
+        reduced = values(reduced)
         pending: tuple[Params, ...] = ()
         direction = reduced
         if delay:
             delta_now = tree_sub(state.anchor, params)
             pending = (*state.pending[1:], delta_now)
             if eager:
-                r = num_replicas if num_replicas is not None else check_axis(axis_name)
+                r = replicas()
                 direction = jax.tree.map(
                     lambda avg, now, old: avg + (now - old) / r,
                     reduced,
@@ -181,34 +173,12 @@ def pseudo_gradient_method(
         new_state = PseudoGradientState(anchor, outer_state, pending, state.count + 1)
         return anchor, new_state
 
-    return make_outer_optimizer(
+    return OuterOptimizer(
         init,
-        payload,
+        send,
+        reducer,
         apply,
-        reduce,
-        staleness=delay,
+        DELAYED if delay else SYNCHRONOUS,
         replica_local=eager,
         accepts_gathered=True,
     )
-
-
-def _fused_compressed(compressed: Reducer, implementation: str, axis_name: str) -> Reducer:
-    """``compressed`` (an int8 all-gather), or where the fused update runs as a kernel, the
-    same format gathered in the kernel's layout (``compressed.stacked``), so that the update
-    dequantizes and averages the R payloads in its own pass."""
-    from co2jax.kernels.api import resolve
-
-    def reduce(payload: Any) -> Any:
-        if resolve(implementation, check_axis(axis_name)) == "xla":
-            return compressed(payload)
-        return compressed.stacked(implementation)(payload)
-
-    def tree_wire_bytes(shapes: Any, replicas: int) -> float:
-        if resolve(implementation, replicas) == "xla":
-            return compressed.wire_bytes(sum(x.size for x in jax.tree.leaves(shapes)), replicas)
-        return compressed.stacked(implementation).tree_wire_bytes(shapes, replicas)
-
-    reduce.codec = compressed.codec
-    reduce.wire_bytes = compressed.wire_bytes
-    reduce.tree_wire_bytes = tree_wire_bytes
-    return reduce

@@ -9,14 +9,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from co2jax._base import (
-    REPLICA_AXIS,
-    OuterOptimizer,
-    Reducer,
-    check_positive,
-    check_unit_interval,
-)
+from co2jax._checks import check_positive, check_unit_interval
 from co2jax.algorithms.pseudo_gradient import pseudo_gradient_method
+from co2jax.axes import REPLICA
+from co2jax.comm.reducer import Reducer
+from co2jax.protocol import OuterOptimizer
 
 
 class SlowMomentumState(NamedTuple):
@@ -65,7 +62,7 @@ def slowmo(
     slow_learning_rate: float = 1.0,
     slow_momentum: float = 0.5,
     *,
-    axis_name: str = REPLICA_AXIS,
+    axis_name: str = REPLICA,
     reduce: Reducer | None = None,
 ) -> OuterOptimizer:
     """SlowMo with exact averaging as the base algorithm.

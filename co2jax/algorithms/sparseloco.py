@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from co2jax._base import REPLICA_AXIS, OuterOptimizer, check_positive, check_unit_interval
+from co2jax._checks import check_positive, check_unit_interval
 from co2jax.algorithms.diloco import diloco
+from co2jax.algorithms.error_feedback import error_feedback
 from co2jax.algorithms.fused import outer_sgd
-from co2jax.compression import all_gather_topk, error_feedback, two_bit
+from co2jax.axes import REPLICA
+from co2jax.comm import all_gather_topk, two_bit
+from co2jax.protocol import OuterOptimizer
 
 
 def sparseloco(
@@ -15,7 +18,7 @@ def sparseloco(
     chunk: int = 4096,
     *,
     quantize: bool = True,
-    axis_name: str = REPLICA_AXIS,
+    axis_name: str = REPLICA,
 ) -> OuterOptimizer:
     """SparseLoCo: top-k of an error-feedback accumulator, 2-bit values, sparse all-gather.
 
@@ -30,10 +33,12 @@ def sparseloco(
             \\hat\\Delta_{r,i}
 
     where the mean at index i is over the replicas that selected i (an all-gather of the k
-    (index, value) pairs per chunk; no all-reduce, no outer momentum). Defaults from
+    (index, value) pairs per chunk; no all-reduce, no outer momentum). Each replica sends its
+    encoding as error feedback made it, so the selected indices travel with the values: a
+    selected value that 2-bit quantization rounds to zero still counts as selected. Defaults from
     ALGORITHMS.md: alpha 1.0, beta 0.95, chunks of 64x64 = 4096 with the top 32 (0.8%
     density); H (15 there) belongs to the training loop. The 2-bit format is
-    :func:`co2jax.compression.two_bit` (ternary, one scale per chunk's k values); the paper's
+    :func:`co2jax.comm.two_bit` (ternary, one scale per chunk's k values); the paper's
     exact 2-bit quantizer is not specified in the catalogue (unverified).
 
     Args:
@@ -61,4 +66,4 @@ def sparseloco(
         raise ValueError(f"2-bit values pack 4 per byte: k must be a multiple of 4, got k={k!r}")
     reduce = all_gather_topk(k, chunk, values, "contributors", axis_name)
     inner = diloco(outer_sgd(learning_rate), axis_name=axis_name, reduce=reduce)
-    return error_feedback(inner, reduce.codec, decay)
+    return error_feedback(inner, decay)

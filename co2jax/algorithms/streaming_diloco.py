@@ -13,8 +13,9 @@ earlier, after step ``s_p - tau``. Per replica r, with the fragment's global cop
     \\theta_{r,p} &\\leftarrow \\alpha\\,\\theta_{r,p} + (1 - \\alpha)\\,\\tilde\\theta_p
 
 Each fragment keeps its own outer-optimizer state, syncs once every H steps, and its
-reduction has ``tau`` inner steps to hide behind: the round engine issues it as a
-:class:`~co2jax.segments.Issue` at ``s_p - tau`` and consumes it at ``s_p``. ``alpha = 1``
+reduction has ``tau`` inner steps to hide behind: the schedule has one
+:class:`~co2jax.protocol.Transfer` per fragment, sent at ``s_p - tau`` and applied at ``s_p``,
+which every driver executes. ``alpha = 1``
 keeps the replica's local values (only the global copy moves); ``alpha = 0`` replaces them by
 the new global copy, discarding the ``tau`` overlapped steps' progress on that fragment.
 With P = 1, tau = 0 and alpha = 0 this is DiLoCo.
@@ -24,31 +25,26 @@ at steps ``(p + 1) * H / P + k * H``); the paper names the send step ``t_p`` and
 ``t_p + tau``, the same schedule with ``t_p = s_p - tau``. The recorded torchft trajectories
 are reproduced in ``tests/test_streaming.py``.
 
-Compression composes through ``reduce=`` (e.g.
-:func:`co2jax.compression.all_gather_compressed` with FP4).
+Compression composes through ``reduce=`` (e.g. :func:`co2jax.comm.all_gather_compressed`
+with FP4), and error feedback through :func:`co2jax.error_feedback` (one residual per
+fragment, computed from the payload actually sent).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from co2jax._base import (
-    REPLICA_AXIS,
-    Params,
-    Reducer,
-    check_axis_name,
-    check_int,
-    check_transform,
-    check_unit_interval,
-    replica_mean,
-)
+from co2jax._checks import check_axis_name, check_int, check_transform, check_unit_interval
+from co2jax.axes import REPLICA
+from co2jax.comm.reducer import Reducer, as_reducer
 from co2jax.fragments import Fragments
-from co2jax.segments import Consume, Issue
+from co2jax.protocol import OuterOptimizer, Transfer
+
+Params = Any
 
 
 class StreamingState(NamedTuple):
@@ -66,70 +62,12 @@ class StreamingState(NamedTuple):
     count: jax.Array
 
 
-class StreamingOuter(NamedTuple):
-    """Streaming DiLoCo as pure functions of (params, state, fragment).
-
-    Attributes:
-      init: ``init(params) -> StreamingState``.
-      payload: ``payload(params, state, p)``: fragment p's pseudo-gradient pieces.
-      reduce: the cross-replica reduction of one fragment's payload.
-      apply: ``apply(params, state, p, reduced) -> (params, state)``: fragment p's outer step
-        and merge.
-      schedule: per fragment, ``(send, apply)``: after how many of the round's inner steps
-        its payload is sent and applied.
-      fragments: the :class:`~co2jax.fragments.Fragments`.
-      sync_every: H.
-      tau: steps between send and apply.
-    """
-
-    init: Callable[[Params], StreamingState]
-    payload: Callable[[Params, StreamingState, int], Any]
-    reduce: Reducer
-    apply: Callable[[Params, StreamingState, int, Any], tuple[Params, StreamingState]]
-    schedule: tuple[tuple[int, int], ...]
-    fragments: Fragments
-    sync_every: int
-    tau: int
-
-    @property
-    def staleness(self) -> int:
-        """Steps a reduction may overlap with (the round engine's reducer choice)."""
-        return self.tau
-
-    def events(
-        self,
-        get: Callable[[Any], tuple[Params, StreamingState]],
-        put: Callable[[Any, Params, StreamingState], Any],
-        on_reduced: Callable[[Any, int, Any, Any], Any] | None = None,
-    ) -> list[Issue | Consume]:
-        """The round's :mod:`co2jax.segments` events for a carry.
-
-        ``get(carry) -> (params, state)`` and ``put(carry, params, state) -> carry`` say
-        where they live in the carry; ``on_reduced(carry, p, payload, reduced) -> carry``, if
-        given, sees each fragment's payload and reduced value (for metrics).
-        """
-        out: list[Issue | Consume] = []
-        for p, (send, at) in enumerate(self.schedule):
-
-            def issue(c, p=p):
-                payload = self.payload(*get(c), p)
-                return payload, self.reduce(payload)
-
-            def consume(c, value, p=p):
-                payload, reduced = value
-                params, state = self.apply(*get(c), p, reduced)
-                c = put(c, params, state)
-                return c if on_reduced is None else on_reduced(c, p, payload, reduced)
-
-            out += [Issue(send, f"fragment{p}", issue), Consume(at, f"fragment{p}", consume)]
-        return out
-
-
-def schedule(sync_every: int, count: int, tau: int) -> tuple[tuple[int, int], ...]:
-    """``(send, apply)`` per fragment: apply after ``(p + 1) * H // P`` steps, send ``tau``
+def schedule(sync_every: int, count: int, tau: int) -> tuple[Transfer, ...]:
+    """One transfer per fragment: applied after ``(p + 1) * H // P`` steps, sent ``tau``
     earlier. Needs ``0 <= tau < H // P`` so that each send comes after the previous apply."""
     return tuple(
-        ((p + 1) * sync_every // count - tau, (p + 1) * sync_every // count) for p in range(count)
+        Transfer((p + 1) * sync_every // count - tau, (p + 1) * sync_every // count)
+        for p in range(count)
     )
 
 
@@ -140,9 +78,9 @@ def streaming_diloco(
     tau: int = 1,
     alpha: float = 0.5,
     *,
-    axis_name: str = REPLICA_AXIS,
+    axis_name: str = REPLICA,
     reduce: Reducer | None = None,
-) -> StreamingOuter:
+) -> OuterOptimizer:
     """Streaming DiLoCo with one ``outer_optimizer`` state per fragment.
 
     Args:
@@ -161,8 +99,9 @@ def streaming_diloco(
       >>> params = {"a": jnp.zeros(1), "b": jnp.zeros(1)}
       >>> frags = co2jax.fragments.make_fragments(params, 2)
       >>> outer = co2jax.streaming_diloco(optax.sgd(1.0), frags, sync_every=4, tau=1)
-      >>> outer.schedule  # fragment 0: sent after step 1, applied after step 2; fragment 1
-      ((1, 2), (3, 4))
+      >>> [(t.send, t.apply) for t in outer.schedule]  # fragment 0: sent after step 1,
+      [(1, 2), (3, 4)]
+      >>> # applied after step 2; fragment 1: sent after step 3, applied after step 4
     """
     check_transform("outer_optimizer", outer_optimizer)
     if not isinstance(fragments, Fragments):
@@ -182,7 +121,7 @@ def streaming_diloco(
             f"tau must be < H / P = {sync_every} // {count} = {sync_every // count} so that a "
             f"fragment is sent after the previous one is applied, got tau={tau}"
         )
-    reduce = replica_mean(axis_name) if reduce is None else reduce
+    reducer = as_reducer(reduce, axis_name)
 
     def init(params: Params) -> StreamingState:
         if jax.tree.structure(params) != fragments.treedef:
@@ -190,9 +129,9 @@ def streaming_diloco(
         states = tuple(outer_optimizer.init(fragments.take(params, p)) for p in range(count))
         return StreamingState(params, states, jnp.zeros([], jnp.int32))
 
-    def payload(params: Params, state: StreamingState, p: int) -> list[jax.Array]:
+    def send(params: Params, state: StreamingState, p: int):
         anchor, local = fragments.take(state.anchor, p), fragments.take(params, p)
-        return [a - x for a, x in zip(anchor, local, strict=True)]
+        return [a - x for a, x in zip(anchor, local, strict=True)], state
 
     def apply(params: Params, state: StreamingState, p: int, reduced: Any):
         anchor = fragments.take(state.anchor, p)
@@ -209,6 +148,6 @@ def streaming_diloco(
         )
         return fragments.put(params, p, merged), new_state
 
-    return StreamingOuter(
-        init, payload, reduce, apply, schedule(sync_every, count, tau), fragments, sync_every, tau
+    return OuterOptimizer(
+        init, send, reducer, apply, schedule(sync_every, count, tau), period=sync_every
     )

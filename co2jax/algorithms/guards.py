@@ -7,13 +7,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from co2jax._base import (
-    OuterOptimizer,
-    Params,
-    make_outer_optimizer,
-    tree_all_finite,
-    tree_select,
-)
+from co2jax.protocol import OuterOptimizer, Params
+from co2jax.tree import tree_all_finite, tree_select
 
 
 class SkipNonfiniteState(NamedTuple):
@@ -74,6 +69,11 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
              [0.]], dtype=float32), Array([1, 1], dtype=int32))
     """
 
+    if len(outer.schedule) != 1:
+        raise ValueError(
+            "skip_nonfinite decides once per round; got an outer optimizer with "
+            f"{len(outer.schedule)} transfers per round (Streaming DiLoCo syncs per fragment)"
+        )
     if outer.replica_local:
         raise ValueError(
             "skip_nonfinite needs a replica-invariant anchor; got an outer optimizer with "
@@ -89,11 +89,12 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
             )
         return SkipNonfiniteState(inner, jnp.zeros([], jnp.int32))
 
-    def payload(params: Params, state: SkipNonfiniteState) -> Any:
-        return outer.payload(params, state.inner_state)
+    def send(params: Params, state: SkipNonfiniteState, i: int):
+        payload, inner = outer.send(params, state.inner_state, i)
+        return payload, state._replace(inner_state=inner)
 
-    def apply(params: Params, state: SkipNonfiniteState, reduced: Any):
-        new_params, new_inner = outer.apply(params, state.inner_state, reduced)
+    def apply(params: Params, state: SkipNonfiniteState, i: int, reduced: Any):
+        new_params, new_inner = outer.apply(params, state.inner_state, i, reduced)
         ok = _everywhere(tree_all_finite(reduced) & tree_all_finite(new_params))
         kept = state.inner_state
         # in-flight bookkeeping advances even on a skip: this round's pseudo-gradient is sent
@@ -106,11 +107,4 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
         skipped = state.num_skipped + jnp.logical_not(ok).astype(jnp.int32)
         return params_out, SkipNonfiniteState(inner, skipped)
 
-    return make_outer_optimizer(
-        init,
-        payload,
-        apply,
-        outer.reduce,
-        outer.staleness,
-        accepts_gathered=outer.accepts_gathered,
-    )
+    return outer._replace(init=init, send=send, apply=apply)

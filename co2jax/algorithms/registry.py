@@ -1,0 +1,265 @@
+"""The algorithm registry: name -> builder from a typed config, and what each algorithm can do.
+
+Adding an algorithm is its file, its textbook loop (``tests/textbook.py``), its docs page
+(``docs/algorithms/<name>.md``) and one line in :data:`REGISTRY`; the experiment configs, the
+comparison report and the shared test lists read it from here.
+
+Example:
+  >>> cfg = OuterConfig(algorithm="co2", learning_rate=1.0, momentum=0.5)
+  >>> outer = build(validate(cfg), Context(sync_every=8))
+  >>> REGISTRY["co2"].capabilities.delayed, outer.overlapped
+  (True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optax
+
+from co2jax import penalties
+from co2jax.algorithms.co2 import MODES, co2
+from co2jax.algorithms.data_parallel import data_parallel, no_sync
+from co2jax.algorithms.diloco import delayed_diloco, diloco, eager_diloco
+from co2jax.algorithms.error_feedback import error_feedback
+from co2jax.algorithms.fused import outer_sgd
+from co2jax.algorithms.guards import skip_nonfinite
+from co2jax.algorithms.local_sgd import local_sgd
+from co2jax.algorithms.slowmo import slowmo
+from co2jax.algorithms.sparseloco import sparseloco
+from co2jax.algorithms.streaming_diloco import streaming_diloco
+from co2jax.comm import FORMATS, all_gather_compressed, all_reduce_compressed, make
+from co2jax.fragments import Fragments, make_fragments
+from co2jax.kernels.api import IMPLEMENTATIONS
+from co2jax.protocol import OuterOptimizer
+
+COMPRESSIONS = tuple(f for f in FORMATS if f != "topk")  # topk needs k and a chunk: SparseLoCo
+COLLECTIVES = ("all_gather", "two_step")  # how compressed payloads are reduced
+PENALTIES = ("none", "constant", "gap_aware")
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterConfig:
+    """Every algorithm's hyper-parameters, by name (an algorithm reads the ones it has)."""
+
+    algorithm: str = "diloco"
+    learning_rate: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    delay: int = 1
+    clip_threshold: float | None = None
+    penalty: str = "none"
+    penalty_lambda: float = 1.0
+    gap_decay: float = 0.9
+    mode: str = "paper"
+    skip_nonfinite: bool = True
+    implementation: str = "auto"  # the fused outer update's: auto | pallas | interpret | xla
+    compression: str = "none"  # pseudo-gradients on the wire (compressible algorithms)
+    error_feedback: bool = False  # keep the compression residual per replica
+    collective: str = "all_gather"  # compressed: all_gather (exact mean) | two_step (RS + AG)
+    fragments: int = 2  # streaming_diloco: P
+    tau: int = 1  # streaming_diloco: inner steps between sending and applying a fragment
+    alpha: float = 0.5  # streaming_diloco: merge weight of the local values
+    decay: float = 0.95  # sparseloco: error-feedback decay
+    topk: int = 32  # sparseloco: values kept per chunk
+    chunk: int = 4096  # sparseloco: chunk size
+
+
+class Context(NamedTuple):
+    """What a builder may need beyond the config.
+
+    Attributes:
+      sync_every: H.
+      params: the parameters or their shapes (Streaming DiLoCo's fragments).
+      inner_learning_rate: the inner schedule (a function of the inner step; SlowMo).
+      num_replicas: R, for a driver with no replica axis (separate jobs; eager updates).
+      fragmenter: ``fragmenter(params, count) -> Fragments`` (default: every leaf a layer).
+    """
+
+    sync_every: int
+    params: Any = None
+    inner_learning_rate: Callable[[Any], Any] | None = None
+    num_replicas: int | None = None
+    fragmenter: Callable[[Any, int], Fragments] | None = None
+
+
+class Capabilities(NamedTuple):
+    """What an algorithm does, in its default mode.
+
+    Attributes:
+      delayed: sends its payload before the round's inner steps (they hide its reduction).
+      fusable: its outer step can run as the fused Pallas kernel (``implementation``).
+      compressible: takes ``compression`` (its payload is a pseudo-gradient to encode).
+      fragments: syncs parameter fragments (needs ``Context.params``).
+      every_step: communicates every inner step (DDP's gradients), not per round.
+      guardable: ``skip_nonfinite`` can wrap it (one transfer, replica-invariant anchor).
+    """
+
+    delayed: bool = False
+    fusable: bool = False
+    compressible: bool = False
+    fragments: bool = False
+    every_step: bool = False
+    guardable: bool = True
+
+
+class Entry(NamedTuple):
+    """``build(config, context, reduce) -> OuterOptimizer`` (``reduce``: the compressed
+    reducer, or None), its capabilities, a one-line summary and, for DDP, the wrapper of the
+    inner transform."""
+
+    build: Callable[[OuterConfig, Context, Any], OuterOptimizer]
+    capabilities: Capabilities
+    summary: str
+    inner: Callable[[optax.GradientTransformation], Any] | None = None
+
+
+def _sgd(o: OuterConfig):
+    """optax.sgd's transform and state, runnable by the fused outer update."""
+    momentum = o.momentum or None  # 0: plain SGD (Nesterov then means nothing)
+    return outer_sgd(o.learning_rate, momentum, nesterov=o.nesterov and momentum is not None)
+
+
+def _slowmo(o: OuterConfig, c: Context, reduce) -> OuterOptimizer:
+    if c.inner_learning_rate is None:
+        raise ValueError("slowmo needs Context.inner_learning_rate (the inner schedule)")
+    lr = c.inner_learning_rate
+    gamma = (lambda t: lr(t * c.sync_every)) if callable(lr) else lr
+    return slowmo(gamma, o.learning_rate, o.momentum, reduce=reduce)
+
+
+def _co2(o: OuterConfig, c: Context, reduce) -> OuterOptimizer:
+    penalty = {
+        "none": None,
+        "constant": penalties.constant(o.penalty_lambda),
+        "gap_aware": penalties.gap_aware(o.gap_decay),
+    }[o.penalty]
+    clip = o.clip_threshold if o.mode == "paper" else None
+    return co2(
+        o.learning_rate, o.momentum, clip, penalty, o.mode, reduce=reduce,
+        implementation=o.implementation,
+    )  # fmt: skip
+
+
+def _streaming(o: OuterConfig, c: Context, reduce) -> OuterOptimizer:
+    if c.params is None:
+        raise ValueError("streaming_diloco needs Context.params to cut into fragments")
+    fragmenter = c.fragmenter or (lambda params, count: make_fragments(params, count))
+    frags = fragmenter(c.params, o.fragments)
+    return streaming_diloco(_sgd(o), frags, c.sync_every, o.tau, o.alpha, reduce=reduce)
+
+
+_impl = lambda o: {"implementation": o.implementation}
+REGISTRY: dict[str, Entry] = {
+    "ddp": Entry(
+        lambda o, c, r: no_sync(), Capabilities(every_step=True, guardable=False),
+        "data-parallel baseline: gradients all-reduced every step", inner=data_parallel,
+    ),
+    "local_sgd": Entry(
+        lambda o, c, r: local_sgd(reduce=r), Capabilities(), "periodic model averaging"
+    ),
+    "slowmo": Entry(_slowmo, Capabilities(), "slow momentum on periodic averaging"),
+    "diloco": Entry(
+        lambda o, c, r: diloco(_sgd(o), reduce=r, **_impl(o)),
+        Capabilities(fusable=True, compressible=True), "outer Nesterov on pseudo-gradients",
+    ),
+    "delayed_diloco": Entry(
+        lambda o, c, r: delayed_diloco(_sgd(o), o.delay, reduce=r, **_impl(o)),
+        Capabilities(delayed=True, fusable=True, compressible=True), "naive one-round delay",
+    ),
+    "eager_diloco": Entry(
+        lambda o, c, r: eager_diloco(
+            _sgd(o), o.delay, num_replicas=c.num_replicas, reduce=r, **_impl(o)
+        ),
+        Capabilities(delayed=True, fusable=True, guardable=False), "eager updates",
+    ),
+    "co2": Entry(_co2, Capabilities(delayed=True, fusable=True), "CO2: stale outer momentum"),
+    "streaming_diloco": Entry(
+        _streaming, Capabilities(compressible=True, fragments=True, guardable=False),
+        "DiLoCo one fragment at a time, overlapped by tau steps",
+    ),
+    "sparseloco": Entry(
+        lambda o, c, r: sparseloco(o.learning_rate, o.decay, o.topk, o.chunk), Capabilities(),
+        "top-k error feedback, 2-bit values, sparse all-gather",
+    ),
+}  # fmt: skip
+NAMES = tuple(REGISTRY)
+
+
+def _fail(name: str, value: Any, why: str) -> None:
+    raise ValueError(f"outer.{name}={value!r}: {why}")
+
+
+def validate(o: OuterConfig, sync_every: int | None = None) -> OuterConfig:
+    """Checks every field that can be checked before building; returns ``o``."""
+    if o.algorithm not in REGISTRY:
+        _fail("algorithm", o.algorithm, f"must be one of {NAMES}")
+    caps = REGISTRY[o.algorithm].capabilities
+    if o.implementation not in IMPLEMENTATIONS:
+        _fail("implementation", o.implementation, f"must be one of {IMPLEMENTATIONS}")
+    if o.compression not in COMPRESSIONS:
+        _fail("compression", o.compression, f"must be one of {COMPRESSIONS}")
+    if o.compression != "none" and not caps.compressible:
+        compressible = tuple(n for n, e in REGISTRY.items() if e.capabilities.compressible)
+        _fail("compression", o.compression, f"applies to {compressible}")
+    if o.error_feedback and o.compression == "none":
+        _fail("error_feedback", o.error_feedback, "needs outer.compression")
+    if o.collective not in COLLECTIVES:
+        _fail("collective", o.collective, f"must be one of {COLLECTIVES}")
+    if o.fragments < 1:
+        _fail("fragments", o.fragments, "must be >= 1")
+    if caps.fragments and sync_every is not None and not 0 <= o.tau < sync_every // o.fragments:
+        _fail(
+            "tau",
+            o.tau,
+            f"must be in [0, sync_every // fragments) = [0, {sync_every // o.fragments})",
+        )
+    if not 0 <= o.alpha <= 1:
+        _fail("alpha", o.alpha, "must be in [0, 1]")
+    if o.penalty not in PENALTIES:
+        _fail("penalty", o.penalty, f"must be one of {PENALTIES}")
+    if o.mode not in MODES:
+        _fail("mode", o.mode, f"must be one of {MODES}")
+    if not o.learning_rate > 0:
+        _fail("learning_rate", o.learning_rate, "must be > 0")
+    if not 0 <= o.momentum < 1:
+        _fail("momentum", o.momentum, "must be in [0, 1)")
+    if o.delay < 1 and o.algorithm in ("delayed_diloco", "eager_diloco"):
+        _fail("delay", o.delay, "must be >= 1 for delayed and eager DiLoCo")
+    if o.clip_threshold is not None and o.clip_threshold <= 0:
+        _fail("clip_threshold", o.clip_threshold, "must be > 0 or None")
+    if not 0 <= o.decay <= 1:
+        _fail("decay", o.decay, "must be in [0, 1]")
+    return o
+
+
+def build(o: OuterConfig, context: Context) -> OuterOptimizer:
+    """The outer optimizer ``o`` names, with its compression, error feedback and guard.
+
+    The guard (``skip_nonfinite``) goes inside error feedback: a skipped step keeps the
+    residual, which holds what the compressed payload left out.
+    """
+    validate(o, context.sync_every)
+    entry = REGISTRY[o.algorithm]
+    reduce = codec = None
+    if o.compression != "none":
+        kernels = (
+            {"implementation": o.implementation} if o.compression in ("int8", "fp4", "2bit") else {}
+        )
+        codec = make(o.compression, **kernels)
+        collective = {"all_gather": all_gather_compressed, "two_step": all_reduce_compressed}
+        reduce = collective[o.collective](codec)
+    outer = entry.build(o, context, reduce)
+    if o.skip_nonfinite and entry.capabilities.guardable:
+        outer = skip_nonfinite(outer)
+    if codec is not None and o.error_feedback:
+        outer = error_feedback(outer)
+    return outer
+
+
+def inner(o: OuterConfig, transform: optax.GradientTransformation):
+    """The inner transform as ``o``'s algorithm runs it (DDP averages gradients first)."""
+    wrap = REGISTRY[o.algorithm].inner
+    return transform if wrap is None else wrap(transform)

@@ -1,0 +1,66 @@
+"""Communication: reducers (how payloads cross the replica axis), codecs and the reducer policy.
+
+- :class:`Reducer`, the exact means (:func:`pmean`, :func:`all_gather_mean`,
+  :func:`ring_mean`, :func:`all_gather_stacked`) and :class:`Encoded` payloads;
+- compression formats (:class:`Codec`: ``none``, ``bf16``, ``fp8``, ``int8``, ``fp4``,
+  ``2bit``, ``topk``) and the compressed collectives built on them;
+- :mod:`co2jax.comm.policy`: where a reducer is chosen.
+"""
+
+from co2jax.comm import policy
+from co2jax.comm.codecs import (
+    FORMATS,
+    Codec,
+    bf16,
+    fp4,
+    fp8,
+    int8,
+    make,
+    none,
+    topk,
+    two_bit,
+)
+from co2jax.comm.compressed import all_gather_compressed, all_gather_topk, all_reduce_compressed
+from co2jax.comm.reducer import (
+    EXACT,
+    Encoded,
+    Reducer,
+    all_gather_mean,
+    all_gather_stacked,
+    as_reducer,
+    exact_mean,
+    gather_bytes,
+    pmean,
+    ring_bytes,
+    ring_mean,
+    values,
+)
+
+__all__ = [
+    "EXACT",
+    "FORMATS",
+    "Codec",
+    "Encoded",
+    "Reducer",
+    "all_gather_compressed",
+    "all_gather_mean",
+    "all_gather_stacked",
+    "all_gather_topk",
+    "all_reduce_compressed",
+    "as_reducer",
+    "bf16",
+    "exact_mean",
+    "fp4",
+    "fp8",
+    "gather_bytes",
+    "int8",
+    "make",
+    "none",
+    "pmean",
+    "policy",
+    "ring_bytes",
+    "ring_mean",
+    "topk",
+    "two_bit",
+    "values",
+]

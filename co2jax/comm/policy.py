@@ -1,0 +1,137 @@
+"""Where a reducer is chosen: the one policy, per backend, replica count and payload size.
+
+An algorithm carries the reduction it needs (:class:`~co2jax.comm.Reducer`). Two choices are
+made on top of it, both here:
+
+- :func:`select` (by the round engine): an *exact* mean may be swapped for another exact mean
+  that the target compiler overlaps with the inner loop (:func:`auto_kind`), and for an outer
+  update that averages gathered payloads itself, for the all-gather in its layout. A
+  compressed or otherwise specific reduction is never swapped.
+- :func:`for_fused_update` (by the pseudo-gradient method, at trace time): an int8 (block
+  128) compressed all-gather is sent in the fused kernel's layout where that kernel runs, so
+  that it dequantizes, averages and steps in one pass.
+"""
+
+from __future__ import annotations
+
+from co2jax._checks import check_choice
+from co2jax.axes import bound_axis_size
+from co2jax.comm.reducer import (
+    EXACT,
+    Encoded,
+    Payload,
+    Reducer,
+    all_gather_stacked,
+    exact_mean,
+    gather_reduce,
+)
+from co2jax.kernels.api import resolve
+
+CHOICES = ("auto", "outer", *EXACT)
+ALL_GATHER_LIMIT = 256 * 2**20
+"""Largest ``R * payload`` (float32 bytes) the auto policy all-gathers on TPU."""
+
+
+def auto_kind(platform: str, replicas: int, overlapped: bool, payload_elements: int = 0) -> str:
+    """The exact mean a round uses: one the target compiler overlaps with the inner loop.
+
+    A reduction that cannot overlap anything (sent and applied at the same step) uses the
+    all-reduce. An overlapped one uses, on TPU, the all-gather (one asynchronous collective
+    around the loop) while R <= 4 and the R gathered float32 copies of the payload stay under
+    :data:`ALL_GATHER_LIMIT`, else the ppermute ring (two chunk buffers; its last step
+    overlaps). The limit is measured: for a 1B-parameter model on a v5e slice the all-gather
+    round needed 26 GiB of temporaries (unsharded; HBM is 16 GiB) and 400 s to compile
+    (sharded), the all-reduce round 3 GiB and 11 s (``benchmarks/README.md``). Elsewhere the
+    all-reduce (asynchronous by default on GPU; XLA:CPU runs every collective synchronously).
+    See ``docs/overlap.md``.
+    """
+    if not overlapped or platform != "tpu":
+        return "pmean"
+    gathered = replicas * payload_elements * 4  # the all-gather reducer sums in float32
+    if replicas <= 4 and gathered <= ALL_GATHER_LIMIT:
+        return "all_gather"
+    return "ring"
+
+
+def check_choice_for(choice: str, reducer: Reducer) -> str:
+    """``choice`` (one of ``CHOICES``) if it may replace ``reducer``: only an exact mean may
+    be replaced by another one."""
+    check_choice("reducer", choice, CHOICES)
+    if choice in EXACT and not reducer.exact:
+        raise ValueError(
+            f"reducer={choice!r} would replace the algorithm's {reducer.name} reduction by an "
+            "exact mean; use reducer='auto' or 'outer' to keep it"
+        )
+    return choice
+
+
+def select(
+    reducer: Reducer,
+    choice: str,
+    *,
+    platform: str,
+    replicas: int,
+    payload_elements: int,
+    overlapped: bool,
+    whole: bool,
+    accepts_gathered: bool,
+    axis_name: str,
+) -> tuple[str, Reducer]:
+    """The reducer a round uses for one transfer, and its label (``"outer"`` when the
+    algorithm's own is kept).
+
+    Args:
+      reducer: the algorithm's.
+      choice: ``"auto"``, ``"outer"`` or an exact kind (``EXACT``).
+      platform: the mesh's platform.
+      replicas: R.
+      payload_elements: elements of the transfer's payload.
+      overlapped: the transfer is sent before the step it is applied at.
+      whole: the transfer goes in one piece (not chunked): a gathered payload can only be
+        handed over whole.
+      accepts_gathered: the algorithm's ``apply`` takes gathered payloads.
+      axis_name: the replica axis.
+    """
+    check_choice_for(choice, reducer)
+    if choice == "outer" or not reducer.exact:
+        return "outer", reducer
+    kind = choice
+    if choice == "auto":
+        kind = auto_kind(platform, replicas, overlapped, payload_elements)
+    if kind == "all_gather" and accepts_gathered and whole:
+        # the R payloads go to the outer update un-reduced: a fused update averages them in
+        # its own pass (co2jax.kernels)
+        return kind, all_gather_stacked(axis_name)
+    return kind, exact_mean(kind, axis_name)
+
+
+def for_fused_update(reducer: Reducer, implementation: str, axis_name: str) -> Reducer:
+    """``reducer``, or where the fused outer update runs as a kernel and ``reducer`` is an
+    int8 (block 128) compressed all-gather, the same format in the kernel's layout
+    (:func:`~co2jax.comm.all_gather_stacked` with ``quantize="int8"``).
+
+    The choice is made when traced, from the bound replica axis and the target backend (an
+    unbound axis, as in a separate job, keeps ``reducer``).
+    """
+    codec = reducer.codec
+    if codec is None or codec.name != "int8" or codec.block != 128 or reducer.encode is None:
+        return reducer
+    stacked = all_gather_stacked(axis_name, quantize="int8", implementation=implementation)
+
+    def pick(replicas: int | None) -> Reducer:
+        if replicas is None or resolve(implementation, replicas) == "xla":
+            return reducer
+        return stacked
+
+    def encode(payload: Payload) -> Encoded:
+        return pick(bound_axis_size(axis_name)).encode(payload)
+
+    def wire(shapes, replicas: int) -> float:
+        return pick(replicas).wire_bytes(shapes, replicas)
+
+    return reducer._replace(
+        name=reducer.name + "/fused",
+        reduce=gather_reduce(encode, axis_name),
+        wire_bytes=wire,
+        encode=encode,
+    )

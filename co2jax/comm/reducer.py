@@ -1,0 +1,358 @@
+"""The :class:`Reducer` type, payloads in their wire form (:class:`Encoded`), and the exact means.
+
+A reducer maps this replica's payload pytree to the replicas' reduced payload (inside an axis
+named like its ``axis_name``: ``jax.vmap(..., axis_name=...)`` or ``jax.shard_map``). The
+exact means differ only in how the compiler can schedule them (``docs/overlap.md``):
+
+- :func:`pmean` (``lax.pmean``, an all-reduce): the default; XLA:TPU schedules it
+  synchronously after an independent loop, so it cannot hide behind the inner steps there.
+- :func:`all_gather_mean`: an all-gather of the payload then a local float32 sum. XLA:TPU
+  issues it as an asynchronous start/done pair around an independent loop. Each replica
+  receives (R-1) payloads, versus 2(R-1)/R for a ring all-reduce: best for small R.
+- :func:`ring_mean`: a ring of ``ppermute`` steps (reduce-scatter then all-gather, R-1 steps
+  each) on the flattened payload, summed in float32.
+- :func:`all_gather_stacked`: the all-gather left un-reduced (:class:`co2jax.kernels.Gathered`),
+  for an outer update that averages the R payloads in its own pass.
+
+A reducer with a *gather form* (``encode`` set) is an all-gather of ``encode(payload)``
+followed by ``Encoded.combine()``: a driver that runs each replica as its own job exchanges
+the encoded payloads and combines them the same way. Inside ``shard_map`` every packing
+reducer packs each group of leaves that vary over the same mesh axes on its own
+(:func:`co2jax.tree.varying_groups`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from co2jax._checks import check_axis_name, check_choice
+from co2jax.axes import REPLICA, axis_size
+from co2jax.kernels import quantize as qk
+from co2jax.kernels.api import gather_layout
+from co2jax.kernels.layout import Gathered, Part
+from co2jax.kernels.spec import LANES
+from co2jax.tree import common_dtype, flatten, tree_bytes, tree_size, varying_groups
+
+Payload = Any
+EXACT = ("pmean", "all_gather", "ring")
+
+
+class Reducer(NamedTuple):
+    """A cross-replica reduction and what a driver needs to know about it.
+
+    Attributes:
+      name: what it is (``"pmean"``, ``"all_gather_compressed(int8)"``, ...).
+      reduce: ``reduce(payload) -> reduced``, inside the replica axis: the mean as a pytree
+        shaped like the payload, or (``gathered``) the replicas' payloads un-reduced as
+        :class:`co2jax.kernels.Gathered`. Also takes the payload already encoded
+        (:class:`Encoded`, what error feedback sends).
+      wire_bytes: ``wire_bytes(shapes, replicas) -> float``: bytes one replica sends to
+        reduce a payload of these shapes (arrays or ShapeDtypeStructs) over R replicas.
+      encode: the gather form: ``encode(payload) -> Encoded``, what one replica puts on the
+        wire; ``Encoded.combine()`` of the R replicas' encodings stacked on a leading axis is
+        the reduced value. ``None`` for a reduction with no such form (the two-step
+        compressed all-reduce).
+      codec: the compression format (:class:`co2jax.comm.Codec`), ``None`` when exact.
+      gathered: ``reduce`` returns :class:`co2jax.kernels.Gathered`.
+      exact: the element-wise mean itself: a driver may swap it for another exact mean.
+    """
+
+    name: str
+    reduce: Callable[[Payload], Any]
+    wire_bytes: Callable[[Any, int], float]
+    encode: Callable[[Payload], Encoded] | None = None
+    codec: Any = None
+    gathered: bool = False
+    exact: bool = False
+
+    def __call__(self, payload: Payload) -> Any:
+        return self.reduce(payload)
+
+
+@jax.tree_util.register_pytree_node_class
+class Encoded:
+    """A payload in its wire form: arrays (``data``) and the static ``form`` that decodes
+    them. ``combine()`` reduces R encodings stacked on a leading axis; ``decode()`` is one."""
+
+    def __init__(self, data: Any, form: Any):
+        self.data, self.form = data, form
+
+    def tree_flatten(self):
+        return (self.data,), self.form
+
+    @classmethod
+    def tree_unflatten(cls, form, children):
+        return cls(children[0], form)
+
+    def combine(self) -> Any:
+        return self.form.combine(self.data)
+
+    def decode(self) -> Any:
+        """This one payload's decoded values, as a pytree shaped like the payload."""
+        return values(self.form.combine(jax.tree.map(lambda x: x[None], self.data)))
+
+
+def values(x: Any) -> Any:
+    """The values a payload or a reduced payload stands for: an :class:`Encoded` decoded, a
+    :class:`~co2jax.kernels.Gathered` averaged, anything else as it is."""
+    if isinstance(x, Encoded):
+        return x.decode()
+    if isinstance(x, Gathered):
+        return x.mean()
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouped:
+    """The static description of a payload cut into :func:`co2jax.tree.varying_groups`."""
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    groups: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, tree: Any) -> tuple[Grouped, list[list[jax.Array]]]:
+        leaves, treedef = jax.tree.flatten(tree)
+        groups = varying_groups(leaves)
+        form = cls(
+            treedef,
+            tuple(tuple(x.shape) for x in leaves),
+            tuple(str(jnp.dtype(x.dtype)) for x in leaves),
+            groups,
+        )
+        return form, [[leaves[i] for i in g] for g in groups]
+
+    def fields(self) -> tuple:
+        return self.treedef, self.shapes, self.dtypes, self.groups
+
+    def assemble(self, vectors: list[jax.Array]) -> Any:
+        """The tree from one float32 vector per group (cast to the leaves' dtypes)."""
+        leaves: list[Any] = [None] * len(self.shapes)
+        for group, vector in zip(self.groups, vectors, strict=True):
+            offset = 0
+            for i in group:
+                n = math.prod(self.shapes[i])
+                leaves[i] = (
+                    vector[offset : offset + n].reshape(self.shapes[i]).astype(self.dtypes[i])
+                )
+                offset += n
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Flat(Grouped):
+    """Each group as one vector of its leaves' common dtype; combined by a float32 mean."""
+
+    def combine(self, data):
+        return self.assemble([jnp.mean(v.astype(jnp.float32), axis=0) for v in data])
+
+
+def _flat_encode(payload: Payload) -> Encoded:
+    form, groups = Grouped.of(payload)
+    data = tuple(flatten(g, common_dtype(g))[0] for g in groups)
+    return Encoded(data, _Flat(*form.fields()))
+
+
+def gather_reduce(encode: Callable[[Payload], Encoded], axis_name: str) -> Callable:
+    """The in-program reduce of a gather form: all-gather the encoding, combine it."""
+
+    def reduce(payload: Payload) -> Any:
+        axis_size(axis_name)
+        if not jax.tree.leaves(payload):
+            return payload
+        encoded = payload if isinstance(payload, Encoded) else encode(payload)
+        return jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name), encoded).combine()
+
+    return reduce
+
+
+def ring_bytes(payload_bytes: float, replicas: int) -> float:
+    """Bytes one replica sends in a ring all-reduce of ``payload_bytes``: 2 (R-1)/R of them."""
+    return 2.0 * (replicas - 1) / replicas * payload_bytes if replicas > 1 else 0.0
+
+
+def gather_bytes(payload_bytes: float, replicas: int) -> float:
+    """Bytes one replica sends in an all-gather of ``payload_bytes`` (to the R-1 others)."""
+    return float(payload_bytes) * (replicas - 1) if replicas > 1 else 0.0
+
+
+def pmean(axis_name: str = REPLICA) -> Reducer:
+    """The all-reduce mean, ``lax.pmean``, in the payload's own dtypes.
+
+    Outside a bound ``axis_name`` it raises a ``NameError`` that says how to run it.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> jax.vmap(pmean("replica"), axis_name="replica")(jnp.array([1.0, 3.0]))
+      Array([2., 2.], dtype=float32)
+    """
+    check_axis_name("axis_name", axis_name)
+
+    def reduce(payload: Payload) -> Payload:
+        axis_size(axis_name)
+        return jax.tree.map(lambda x: jax.lax.pmean(x, axis_name), payload)
+
+    wire = lambda shapes, r: ring_bytes(tree_bytes(shapes), r)
+    return Reducer("pmean", reduce, wire, _flat_encode, exact=True)
+
+
+def all_gather_mean(axis_name: str = REPLICA) -> Reducer:
+    """All-gather every replica's payload as one flat buffer (per group of leaves, in their
+    common dtype), then average locally in float32.
+
+    One collective for the payload: XLA:TPU keeps one asynchronous collective in flight
+    across a loop, so a collective per leaf would leave all but one synchronous.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> jax.vmap(all_gather_mean("replica"), axis_name="replica")(jnp.array([1.0, 2.0, 6.0]))
+      Array([3., 3., 3.], dtype=float32)
+    """
+    check_axis_name("axis_name", axis_name)
+    wire = lambda shapes, r: gather_bytes(
+        tree_size(shapes) * jnp.dtype(common_dtype(jax.tree.leaves(shapes))).itemsize, r
+    )
+    return Reducer(
+        "all_gather", gather_reduce(_flat_encode, axis_name), wire, _flat_encode, exact=True
+    )
+
+
+def ring_mean(axis_name: str = REPLICA) -> Reducer:
+    """A ppermute ring: reduce-scatter then all-gather of the flattened payload (per group of
+    leaves), in float32.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> x = jnp.arange(12.0).reshape(4, 3)  # 4 replicas, 3 elements each
+      >>> jax.vmap(ring_mean("replica"), axis_name="replica")(x)[0]
+      Array([4.5, 5.5, 6.5], dtype=float32)
+    """
+    check_axis_name("axis_name", axis_name)
+
+    def ring(flat: jax.Array, r: int) -> jax.Array:
+        n = flat.size
+        chunks = jnp.pad(flat, (0, (-n) % r)).reshape(r, -1)
+        i = jax.lax.axis_index(axis_name)
+        perm = [(j, (j + 1) % r) for j in range(r)]
+        # reduce-scatter: after step s, this replica holds chunk (i - 1 - s) summed over s + 2
+        # replicas; after r - 1 steps it holds the full sum of chunk (i + 1) mod r.
+        acc = chunks[i]
+        for s in range(r - 1):
+            acc = jax.lax.ppermute(acc, axis_name, perm) + chunks[(i - 1 - s) % r]
+        out = jnp.zeros_like(chunks).at[(i + 1) % r].set(acc)
+        # all-gather: at step s, receive the reduced chunk (i - s) mod r from the left.
+        for s in range(r - 1):
+            acc = jax.lax.ppermute(acc, axis_name, perm)
+            out = out.at[(i - s) % r].set(acc)
+        return out.reshape(-1)[:n] / r
+
+    def reduce(payload: Payload) -> Payload:
+        r = axis_size(axis_name)
+        if r == 1 or not jax.tree.leaves(payload):
+            return payload
+        form, groups = Grouped.of(payload)
+        return form.assemble([ring(flatten(g)[0], r) for g in groups])
+
+    wire = lambda shapes, r: ring_bytes(4 * tree_size(shapes), r)  # sent as float32
+    return Reducer("ring", reduce, wire, _flat_encode, exact=True)
+
+
+def exact_mean(kind: str, axis_name: str = REPLICA) -> Reducer:
+    """The exact mean named ``kind`` (one of ``EXACT``)."""
+    check_choice("reducer", kind, EXACT)
+    return {"pmean": pmean, "all_gather": all_gather_mean, "ring": ring_mean}[kind](axis_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stacked(Grouped):
+    """Each group packed in the fused update's layout; combined into :class:`Gathered`."""
+
+    layouts: tuple = ()
+    quantized: bool = False
+
+    def combine(self, data):
+        parts = []
+        for group, layout, arrays in zip(self.groups, self.layouts, data, strict=True):
+            buffer, scales = arrays if self.quantized else (arrays, None)
+            parts.append(Part(buffer, layout, scales, group))
+        return Gathered.of_parts(parts, self.treedef)
+
+
+def all_gather_stacked(
+    axis_name: str = REPLICA,
+    block_sizes=None,
+    quantize: str | None = None,
+    implementation: str = "auto",
+) -> Reducer:
+    """All-gather every replica's payload, left un-reduced for a fused outer update.
+
+    The payload is packed in the fused kernel's bucket layout (:mod:`co2jax.kernels.layout`)
+    in its own dtype (float32 when the leaves' dtypes differ), gathered, and returned as
+    :class:`co2jax.kernels.Gathered`: an ``apply`` that accepts it averages the R payloads
+    inside its update pass instead of in a fusion of their own.
+
+    With ``quantize="int8"`` each 128-lane row of the packed payload is quantized to int8
+    with a float32 scale (:func:`co2jax.kernels.quantize.quantize_int8`, run as
+    ``implementation`` says) and the codes and scales are gathered: the fused update
+    dequantizes, averages and steps in one pass. ``wire_bytes`` counts the padded layout.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> reduce = all_gather_stacked("replica")
+      >>> jax.vmap(lambda x: reduce(x).mean(), axis_name="replica")(jnp.array([1.0, 2.0, 6.0]))
+      Array([3., 3., 3.], dtype=float32)
+    """
+    check_axis_name("axis_name", axis_name)
+    if quantize not in (None, "int8"):
+        raise ValueError(f"quantize must be None or 'int8', got quantize={quantize!r}")
+
+    def encode(payload: Payload) -> Encoded:
+        form, groups = Grouped.of(payload)
+        layouts, data = [], []
+        for leaves in groups:
+            layout = gather_layout(leaves, block_sizes)
+            layouts.append(layout)
+            if quantize is None:
+                data.append(layout.pack(leaves, common_dtype(leaves)))
+            else:
+                packed = layout.pack(leaves, jnp.float32)
+                data.append(qk.quantize_int8(packed, implementation=implementation))
+        stacked = _Stacked(*form.fields(), tuple(layouts), quantize is not None)
+        return Encoded(tuple(data), stacked)
+
+    def wire(shapes, replicas: int) -> float:
+        layout = gather_layout(shapes, block_sizes)
+        if quantize is None:
+            row = LANES * jnp.dtype(common_dtype(jax.tree.leaves(shapes))).itemsize
+        else:
+            row = LANES + 4  # int8 codes and a float32 scale
+        return gather_bytes(layout.total_rows * row, replicas)
+
+    name = "all_gather_stacked" + ("(int8)" if quantize else "")
+    return Reducer(
+        name,
+        gather_reduce(encode, axis_name),
+        wire,
+        encode,
+        gathered=True,
+        exact=quantize is None,
+    )
+
+
+def as_reducer(reduce: Any, axis_name: str = REPLICA) -> Reducer:
+    """``reduce`` as a :class:`Reducer`: ``None`` is :func:`pmean`; a plain callable
+    ``payload -> reduced`` is wrapped (its bytes counted as a ring all-reduce's)."""
+    if reduce is None:
+        return pmean(axis_name)
+    if isinstance(reduce, Reducer):
+        return reduce
+    if not callable(reduce):
+        raise ValueError(f"reduce must be a co2jax.comm.Reducer or a callable, got {reduce!r}")
+    return Reducer("custom", reduce, lambda shapes, r: ring_bytes(tree_bytes(shapes), r))

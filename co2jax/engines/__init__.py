@@ -1,0 +1,22 @@
+"""The drivers that run an outer optimizer's schedule: the round engine (one program per
+round on a mesh), the per-step adapter (any optax loop) and the multi-job trainer (replicas
+as separate jobs)."""
+
+from co2jax.engines.adapter import LocalUpdatesState, local_updates
+from co2jax.engines.exchange import Exchange, PeerError, Peers
+from co2jax.engines.multijob import JobMetrics, JobState, JobTrainer
+from co2jax.engines.round import RoundMetrics, RoundTrainer, TrainState
+
+__all__ = [
+    "Exchange",
+    "JobMetrics",
+    "JobState",
+    "JobTrainer",
+    "LocalUpdatesState",
+    "PeerError",
+    "Peers",
+    "RoundMetrics",
+    "RoundTrainer",
+    "TrainState",
+    "local_updates",
+]

@@ -1,0 +1,219 @@
+"""The per-step adapter: an outer optimizer inside any optax training loop."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from co2jax._checks import check_int, check_transform
+from co2jax.comm.reducer import Encoded, Reducer, as_reducer, values
+from co2jax.protocol import OuterOptimizer, Transfer, chunk_steps, payload_shapes, resolve
+from co2jax.protocol import spread as spread_schedule
+from co2jax.tree import join_chunks, put_chunk, split_chunks, take_chunk
+
+
+class LocalUpdatesState(NamedTuple):
+    """State of :func:`local_updates` (one per replica).
+
+    Attributes:
+      inner_state: the inner optax transform's state (replica-varying; not reset at syncs).
+      outer_state: the outer optimizer's state (see its own documentation).
+      count: 0-d int32, the number of steps taken so far.
+      inflight: per transfer of the schedule, what is on the wire between its send and its
+        apply: the reduced payload, or for a transfer in chunks its payload cut into chunks
+        (``[chunks, size]`` per leaf), each replaced by its reduction once reduced; ``()``
+        for a transfer sent and applied at the same step.
+    """
+
+    inner_state: optax.OptState
+    outer_state: Any
+    count: jax.Array
+    inflight: tuple = ()
+
+
+def local_updates(
+    inner: optax.GradientTransformation,
+    outer: OuterOptimizer,
+    sync_every: int,
+    *,
+    spread: bool | None = None,
+    reduce: Reducer | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Runs ``inner`` every step and ``outer``'s schedule of transfers around the steps.
+
+    Each call applies ``inner`` to the gradients, then does what the outer optimizer's
+    schedule (:func:`co2jax.protocol.plan`) puts at this step of the round: a transfer is
+    sent (and reduced) before the step whose index is its send step, with the parameters the
+    call receives, and applied after the step that completes its apply step, on the
+    parameters that step produced; the returned updates take ``params`` there (exact up to
+    one rounding of the addition in ``optax.apply_updates``). Every communication runs inside
+    ``lax.cond``, so its collective runs only on the steps it belongs to; the state has the
+    same types on every step, so the step compiles once.
+
+    Call ``update`` with the replica's current ``params``, inside an axis named like the outer
+    optimizer's (``jax.vmap(..., axis_name="replica")`` or ``jax.shard_map``). Under ``vmap``
+    with a per-replica step counter the ``cond`` becomes a select and both branches are
+    evaluated (a simulation has no communication to save); under ``shard_map`` it is a real
+    branch. Under ``shard_map``, pass the parameters and state replica-varying (a leading
+    replica axis sharded over ``"replica"``).
+
+    **Spreading a transfer over the steps it spans** (``spread``). A delayed algorithm sends
+    at step 0 a payload it applies at the end of the round. With ``spread=True`` (the default
+    wherever the payload is plain arrays) it is cut into a chunk per step, and step k reduces
+    chunk k, independent of that step's forward and backward pass, so each step's program can
+    hide its small collective behind its compute: the same bytes, 1/H of the peak bandwidth.
+    An exact mean is element-wise, so the assembled values equal the unchunked reduction
+    exactly. Costs one payload-sized buffer. On TPU pass a reduction that the compiler
+    overlaps, ``reduce=co2jax.comm.all_gather_mean()`` (see docs/overlap.md). A payload sent
+    encoded (error feedback) is reduced whole.
+
+    Args:
+      inner: the inner optax transform (e.g. AdamW).
+      outer: an :class:`~co2jax.OuterOptimizer`.
+      sync_every: H, inner steps per round (>= 1).
+      spread: cut every transfer sent before its apply step into a chunk per step; default:
+        wherever its payload is not already encoded. ``True`` needs such a transfer.
+      reduce: the reduction to use (default: ``outer.reducer``).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with :class:`LocalUpdatesState`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, co2jax
+      >>> tx = co2jax.local_updates(optax.sgd(0.5), co2jax.local_sgd(), sync_every=2)
+      >>> params = jnp.zeros((2, 1))              # two replicas
+      >>> state = jax.vmap(tx.init)(params)
+      >>> grads = jnp.array([[-1.0], [-3.0]])     # different data on each replica
+      >>> step = jax.vmap(tx.update, axis_name="replica")
+      >>> for _ in range(2):
+      ...     updates, state = step(grads, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> params  # after 2 local steps, [1.0] and [3.0] averaged
+      Array([[2.],
+             [2.]], dtype=float32)
+    """
+    check_transform("inner", inner)
+    if not isinstance(outer, OuterOptimizer):
+        raise ValueError(f"outer must be a co2jax.OuterOptimizer, got outer={outer!r}")
+    H = check_int("sync_every", sync_every, 1)
+    planned = resolve(outer, H)
+    if spread and not outer.overlapped:
+        raise ValueError(
+            "spread=True needs a transfer sent before the step it is applied at (a delayed "
+            "outer optimizer); this one sends and applies every transfer at the same step"
+        )
+    reducer = outer.reducer if reduce is None else as_reducer(reduce)
+    inner = optax.with_extra_args_support(inner)
+
+    def transfers(params, outer_state) -> tuple[Transfer, ...]:
+        """The schedule as run: chunked where spread, with plain payloads."""
+        if spread is False:
+            return planned
+        out = []
+        for i, (t, cut) in enumerate(zip(planned, spread_schedule(planned), strict=True)):
+            encoded = isinstance(payload_shapes(outer, params, outer_state, i), Encoded)
+            if encoded and spread and cut.chunks > 1:
+                raise ValueError(
+                    f"spread=True: transfer {i}'s payload is sent encoded (error feedback) and "
+                    "cannot be cut into chunks; pass spread=False"
+                )
+            out.append(t if encoded else cut)
+        return tuple(out)
+
+    def init(params: optax.Params) -> LocalUpdatesState:
+        outer_state = outer.init(params)
+        inflight = []
+        for i, t in enumerate(transfers(params, outer_state)):
+            payload = payload_shapes(outer, params, outer_state, i)
+            if t.send == t.apply:
+                inflight.append(())
+            elif t.chunks == 1:
+                shapes = jax.eval_shape(values, payload)
+                inflight.append(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+            else:
+                zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), payload)
+                inflight.append(split_chunks(zeros, t.chunks))
+        count = jnp.zeros([], jnp.int32)
+        return LocalUpdatesState(inner.init(params), outer_state, count, tuple(inflight))
+
+    def update(grads, state: LocalUpdatesState, params=None, **extra_args):
+        if params is None:
+            raise ValueError("local_updates needs params: call update(grads, state, params)")
+        k = state.count % H
+        run = transfers(params, state.outer_state)
+        outer_state, inflight = state.outer_state, list(state.inflight)
+
+        # before the step: sends, then the chunks due now
+        for i, t in enumerate(run):
+            if t.send == t.apply:
+                continue
+
+            def send(carry, i=i, t=t):
+                payload, ostate = outer.send(params, carry[0], i)
+                if t.chunks == 1:
+                    return ostate, _typed_like(values(reducer(payload)), carry[1])
+                return ostate, split_chunks(payload, t.chunks)
+
+            outer_state, inflight[i] = jax.lax.cond(
+                k == t.send, send, lambda carry: carry, (outer_state, inflight[i])
+            )
+        for i, t in enumerate(run):
+            if t.chunks > 1:
+                payload = payload_shapes(outer, params, state.outer_state, i)
+                treedef = jax.tree.structure(payload)
+                inflight[i] = _reduce_chunk(reducer, t, H, k, inflight[i], treedef)
+
+        updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+        local = optax.apply_updates(params, updates)
+
+        # after the step: the transfers applied at the boundary it completes
+        for i, t in enumerate(run):
+
+            def finish(carry, i=i, t=t):
+                local, ostate, held = carry
+                if t.send == t.apply:
+                    payload, ostate = outer.send(local, ostate, i)
+                    reduced = reducer(payload)
+                elif t.chunks == 1:
+                    reduced = held
+                else:
+                    like = payload_shapes(outer, params, state.outer_state, i)
+                    reduced = join_chunks(held, like)
+                local, ostate = outer.apply(local, ostate, i, reduced)
+                return local, ostate, held
+
+            local, outer_state, inflight[i] = jax.lax.cond(
+                k + 1 == t.apply, finish, lambda carry: carry, (local, outer_state, inflight[i])
+            )
+        moved = jax.tree.map(lambda s, p, u: (s - p).astype(u.dtype), local, params, updates)
+        count = state.count + 1
+        return moved, LocalUpdatesState(inner_state, outer_state, count, tuple(inflight))
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _typed_like(new: Any, old: Any) -> Any:
+    """``new`` in ``old``'s dtypes and varying mesh axes (a ``lax.cond`` branch must return
+    what the other returns: under ``shard_map`` a reduced value is replica-invariant, the
+    buffer it goes into is not); the select is on a constant, which XLA folds away."""
+    return jax.tree.map(lambda n, o: jnp.where(True, n.astype(o.dtype), o), new, old)
+
+
+def _reduce_chunk(reducer, t: Transfer, H: int, k, buffer, treedef):
+    """Reduces the chunk of ``t`` due at step ``k`` (if any) in place in ``buffer``."""
+
+    def reduce(buffer, c):
+        piece = values(reducer(take_chunk(buffer, c, treedef)))
+        return put_chunk(buffer, c, piece)
+
+    steps = chunk_steps(t)
+    if steps == list(range(H)):  # a chunk every step: no branch, each step's collective
+        return reduce(buffer, k)  # is independent of that step's gradients
+    table = np.full(H, -1, np.int32)
+    table[steps] = np.arange(t.chunks)
+    c = jnp.asarray(table)[k]
+    return jax.lax.cond(c >= 0, lambda b: reduce(b, jnp.maximum(c, 0)), lambda b: b, buffer)

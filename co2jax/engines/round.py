@@ -1,0 +1,407 @@
+"""The round engine: H inner steps and the outer communication of every replica as one program.
+
+One call of :meth:`RoundTrainer.round` runs, on every device of a ``(replica, data, model)``
+mesh (``jax.shard_map``), the H inner steps as a few ``lax.scan`` segments (never unrolled):
+gradients averaged over ``data`` inside the replica, nothing over ``replica``. Between the
+segments it runs the outer optimizer's schedule (:func:`co2jax.protocol.plan`): each transfer
+is sent at its step, its reduction issued there (in chunks, when it has them) and applied at
+its apply step. A delayed algorithm's payload is sent before the first step and applied after
+the last, with no data dependence either way, so the compiler may run its reduction
+concurrently with the loop; Streaming DiLoCo's fragments each have ``tau`` steps.
+
+Per-replica state carries an explicit leading replica axis sharded over ``replica``
+(parameters that entered replica-invariant would silently become data-parallel). With
+``shard_outer_state=True`` the outer step runs on 1/D of every parameter-shaped leaf per
+device, and with ``fsdp=True`` the parameters and inner state are sharded too
+(:mod:`co2jax.engines.sharding`). Both need element-wise optimizers (every co2jax algorithm,
+AdamW and SGD are).
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax, co2jax
+  >>> mesh = co2jax.make_mesh(replica=1, data=1, devices=jax.devices()[:1])
+  >>> loss = lambda p, b: jnp.mean((b["x"] * p["w"] - b["y"]) ** 2)
+  >>> trainer = co2jax.RoundTrainer(loss, optax.sgd(0.1), co2jax.local_sgd(), mesh, sync_every=4)
+  >>> state = trainer.init({"w": jnp.zeros(())})
+  >>> batch = {"x": jnp.ones((1, 4, 8)), "y": 2 * jnp.ones((1, 4, 8))}  # [R, H, B]
+  >>> state, metrics = trainer.round(state, batch)
+  >>> metrics.loss.shape, round(float(state.params["w"][0]), 4)
+  ((1, 4), 1.1808)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from co2jax._checks import check_transform
+from co2jax.axes import DATA, REPLICA
+from co2jax.comm import policy
+from co2jax.comm.reducer import values
+from co2jax.engines.segments import Event, scan_segments
+from co2jax.engines.sharding import Layout
+from co2jax.kernels.api import target_backend
+from co2jax.protocol import OuterOptimizer, plan, resolve
+from co2jax.tree import chunk_size, join_chunks, split_chunks, take_chunk
+
+REDUCER_CHOICES = policy.CHOICES
+
+
+class TrainState(NamedTuple):
+    """Per-replica training state; every leaf has a leading replica axis of size R.
+
+    Attributes:
+      params: each replica's parameters (replica-varying).
+      inner_state: each replica's inner optimizer state (replica-varying, never reset).
+      outer_state: the outer optimizer's state. Its replica-invariant fields hold R equal
+        copies along the leading axis, one per replica group, which is where they live anyway.
+      round: [R] int32, rounds completed.
+    """
+
+    params: optax.Params
+    inner_state: optax.OptState
+    outer_state: Any
+    round: jax.Array
+
+
+class _Carry(NamedTuple):
+    params: optax.Params
+    inner_state: optax.OptState
+    outer_state: Any
+    sums: jax.Array  # per round: sum over transfers of |payload|^2, and of their cosines
+
+
+class RoundMetrics(NamedTuple):
+    """What one round reports (leading axis: replica).
+
+    Attributes:
+      loss: [R, H] the loss of every inner step (mean over the replica's data shards).
+      pseudo_gradient_norm: [R] L2 norm of what this replica put on the wire this round (all
+        transfers together; decoded values of a compressed payload).
+      cosine_to_mean: [R] cosine between that payload and the replicas' reduced mean (1 when
+        replicas agree; mean over the round's transfers; for delayed algorithms, of the
+        earlier round's payload).
+      bytes_communicated: [R] bytes this replica sent over the replica axis this round (each
+        reducer's ``wire_bytes``).
+    """
+
+    loss: jax.Array
+    pseudo_gradient_norm: jax.Array
+    cosine_to_mean: jax.Array
+    bytes_communicated: jax.Array
+
+
+class RoundTrainer:
+    """Builds and runs the round program of an outer-optimizer algorithm on a mesh.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar`` for one inner step on one device's slice
+        of the batch.
+      inner: the inner optax transform.
+      outer: an :class:`~co2jax.OuterOptimizer`.
+      mesh: a mesh with ``"replica"`` and ``"data"`` axes (see :func:`co2jax.make_mesh`).
+      sync_every: H, inner steps per round.
+      reducer: ``"auto"`` (:func:`co2jax.comm.policy.select`: an exact mean the target
+        overlaps; a compressed or other specific reduction is kept), ``"outer"`` (the
+        algorithm's own), or an exact mean (``"pmean"``, ``"all_gather"``, ``"ring"``) in
+        place of the algorithm's exact mean.
+      shard_outer_state: shard the outer state over ``data`` inside each replica.
+      fsdp: also shard the parameters and the inner optimizer state over ``data`` (FSDP /
+        ZeRO-3 style). Implies ``shard_outer_state``; needs an element-wise inner optimizer.
+      donate: donate the input state's buffers to the round's output.
+      check_vma: ``shard_map``'s varying-axis type check. Leave it on, except for an outer
+        optimizer built with ``implementation="interpret"``: Pallas' interpreter is not typed
+        for it (compiled kernels are).
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[[optax.Params, Any], jax.Array],
+        inner: optax.GradientTransformation,
+        outer: OuterOptimizer,
+        mesh: jax.sharding.Mesh,
+        sync_every: int,
+        *,
+        reducer: str = "auto",
+        shard_outer_state: bool = False,
+        fsdp: bool = False,
+        donate: bool = True,
+        check_vma: bool = True,
+    ):
+        if not callable(loss_fn):
+            raise ValueError(f"loss_fn must be callable, got loss_fn={loss_fn!r}")
+        self.inner = optax.with_extra_args_support(check_transform("inner", inner))
+        if not isinstance(outer, OuterOptimizer):
+            raise ValueError(f"outer must be a co2jax.OuterOptimizer, got outer={outer!r}")
+        missing = {REPLICA, DATA} - set(mesh.axis_names)
+        if missing:
+            raise ValueError(
+                f"mesh must have axes {REPLICA!r} and {DATA!r}, got mesh.axis_names="
+                f"{mesh.axis_names!r}"
+            )
+        self.transfers = resolve(outer, sync_every)
+        self.sync_every = sync_every
+        self.reducer = policy.check_choice_for(reducer, outer.reducer)
+        self.loss_fn, self.outer, self.mesh = loss_fn, outer, mesh
+        self.replicas, self.data = mesh.shape[REPLICA], mesh.shape[DATA]
+        self.platform = mesh.devices.flat[0].platform
+        self.layout = Layout(self.data, shard_outer_state, fsdp)
+        self.fsdp = self.layout.fsdp
+        self.reducers: tuple = ()  # per transfer, chosen when a program is built
+        self.reducer_kind: str | None = None if reducer == "auto" else reducer
+        self._donate = donate
+        self._check_vma = bool(check_vma)
+        self._compiled: dict = {}
+
+    # ------------------------------------------------------------------------------------
+    # state
+
+    def state_specs(self, state: TrainState) -> TrainState:
+        """The PartitionSpec of every leaf of ``state`` (leading replica axis included)."""
+        one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
+        return TrainState(
+            self.layout.param_specs(state.params),
+            self.layout.param_specs(state.inner_state),
+            self.layout.outer_specs(self.outer.init, one),
+            P(REPLICA),
+        )
+
+    def _shardings(self, specs):
+        return jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+        )
+
+    def _init_unplaced(self, params: optax.Params) -> TrainState:
+        stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.replicas, *x.shape)), params)
+        return TrainState(
+            stacked,
+            jax.vmap(self.inner.init)(stacked),
+            jax.vmap(self.outer.init)(stacked),
+            jnp.zeros((self.replicas,), jnp.int32),
+        )
+
+    def abstract_state(self, params: optax.Params) -> TrainState:
+        """``jax.ShapeDtypeStruct`` leaves with shardings: for AOT compilation and memory."""
+        shapes = jax.eval_shape(self._init_unplaced, params)
+        shardings = self._shardings(self.state_specs(shapes))
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+        )
+
+    def init(self, params: optax.Params) -> TrainState:
+        """Every replica starts from ``params`` (one replica's parameters, no leading axis)."""
+        abstract = jax.eval_shape(self._init_unplaced, params)
+        shardings = self._shardings(self.state_specs(abstract))
+        return jax.jit(self._init_unplaced, out_shardings=shardings)(params)
+
+    # ------------------------------------------------------------------------------------
+    # validation
+
+    def check_batch(self, state: TrainState, batch: Any) -> None:
+        """Raises ``ValueError`` unless every batch leaf is ``[replica, H, B, ...]``, D | B,
+        and ``loss_fn`` returns a scalar on one device's slice."""
+        leaves = jax.tree_util.tree_leaves_with_path(batch)
+        if not leaves:
+            raise ValueError("batch must have at least one array leaf")
+        for path, leaf in leaves:
+            shape = tuple(jnp.shape(leaf))
+            name = jax.tree_util.keystr(path) or "batch"
+            if len(shape) < 3:
+                raise ValueError(
+                    f"batch leaf {name} must be [replica, H, batch, ...], got shape {shape}"
+                )
+            if shape[0] != self.replicas or shape[1] != self.sync_every:
+                raise ValueError(
+                    f"batch leaf {name} has shape {shape}: its leading dims must be "
+                    f"(replica={self.replicas}, H={self.sync_every}, ...)"
+                )
+            if shape[2] % self.data:
+                raise ValueError(
+                    f"batch leaf {name} has shape {shape}: its batch dim {shape[2]} must be a "
+                    f"multiple of the data axis size {self.data}"
+                )
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
+        one = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[2] // self.data, *x.shape[3:]), x.dtype), batch
+        )
+        out = jax.eval_shape(self.loss_fn, params, one)
+        if not (hasattr(out, "shape") and out.shape == ()):
+            raise ValueError(
+                f"loss_fn must return a scalar, got {getattr(out, 'shape', type(out).__name__)}"
+            )
+
+    # ------------------------------------------------------------------------------------
+    # the schedule, as segment events
+
+    def _choose(self, payload_shapes: list) -> tuple:
+        chosen = [
+            policy.select(
+                self.outer.reducer,
+                self.reducer,
+                platform=self.platform,
+                replicas=self.replicas,
+                payload_elements=sum(x.size for x in jax.tree.leaves(shapes)),
+                overlapped=t.send < t.apply,
+                whole=t.chunks == 1,
+                accepts_gathered=self.outer.accepts_gathered,
+                axis_name=REPLICA,
+            )
+            for t, shapes in zip(self.transfers, payload_shapes, strict=True)
+        ]
+        kinds = {kind for kind, _ in chosen}
+        self.reducer_kind = kinds.pop() if len(kinds) == 1 else "/".join(k for k, _ in chosen)
+        return tuple(r for _, r in chosen)
+
+    def round_events(self, payload_shapes: list, reducers: tuple) -> list[Event]:
+        """The round's communication (:func:`co2jax.protocol.plan`) as segment events."""
+        outer, layout = self.outer, self.layout
+
+        def send(c: _Carry, i: int):
+            payload, state = outer.send(layout.shard(c.params), c.outer_state, i)
+            return c._replace(outer_state=state), payload
+
+        def finish(c: _Carry, i: int, payload, reduced) -> _Carry:
+            shards, state = outer.apply(layout.shard(c.params), c.outer_state, i, reduced)
+            pairs = zip(
+                jax.tree.leaves(values(payload)),
+                jax.tree.leaves(values(reduced)),
+                jax.tree.leaves(payload_shapes[i]),
+                strict=True,
+            )
+            pp, rr, pr = layout.sums(list(pairs))
+            ok = pp * rr > 0
+            cosine = jnp.where(ok, pr / jnp.sqrt(jnp.where(ok, pp * rr, 1.0)), 0.0)
+            return c._replace(
+                params=layout.unshard(shards, c.params),
+                outer_state=layout.data_invariant(state, c.outer_state),
+                sums=c.sums + jnp.stack([pp, cosine]),
+            )
+
+        def act(a, c: _Carry, store: dict) -> _Carry:
+            i, t, reduce = a.transfer, self.transfers[a.transfer], reducers[a.transfer]
+            if a.kind == "sync":
+                c, payload = send(c, i)
+                return finish(c, i, payload, reduce(payload))
+            if a.kind == "send":
+                c, payload = send(c, i)
+                store[i] = {"payload": payload}
+                if t.chunks == 1:
+                    store[i]["reduced"] = reduce(payload)
+                    return c
+                store[i]["buffer"] = split_chunks(payload, t.chunks)
+                store[i]["pieces"] = []
+            pending = store[i]
+            if a.kind in ("send", "chunk"):
+                treedef = jax.tree.structure(pending["payload"])
+                piece = take_chunk(pending["buffer"], a.chunk, treedef)
+                pending["pieces"].append(jax.tree.leaves(reduce(piece)))
+                return c
+            del store[i]  # apply
+            reduced = pending.get("reduced")
+            if reduced is None:
+                stacked = [jnp.stack(col) for col in zip(*pending["pieces"], strict=True)]
+                reduced = join_chunks(stacked, pending["payload"])
+            return finish(c, i, pending["payload"], reduced)
+
+        return [Event(a.at, lambda c, store, a=a: act(a, c, store)) for a in plan(self.transfers)]
+
+    def _wire_bytes(self, payload_shapes: list, reducers: tuple) -> float:
+        """Bytes one replica sends per round: every transfer (every chunk) by its reducer."""
+        total = 0.0
+        for t, shapes, reducer in zip(self.transfers, payload_shapes, reducers, strict=True):
+            if t.chunks == 1:
+                total += reducer.wire_bytes(shapes, self.replicas)
+                continue
+            piece = jax.tree.map(
+                lambda x, k=t.chunks: jax.ShapeDtypeStruct((chunk_size(x.size, k),), x.dtype),
+                shapes,
+            )
+            total += t.chunks * reducer.wire_bytes(piece, self.replicas)
+        return total
+
+    # ------------------------------------------------------------------------------------
+    # the round
+
+    def _body(self, payload_shapes, param_shapes, reducers, params, inner, outer, rnd, batch):
+        squeeze = lambda t: jax.tree.map(lambda x: x[0], t)
+        params, inner, outer, rnd, batch = map(squeeze, (params, inner, outer, rnd, batch))
+        layout = self.layout
+
+        def step(c: _Carry, b) -> tuple[_Carry, jax.Array]:
+            # gradients are averaged over the data shards explicitly; nothing crosses
+            # "replica" here
+            full = layout.gather_params(c.params, param_shapes)
+            loss, grads = jax.value_and_grad(self.loss_fn)(full, b)
+            grads = layout.reduce_grads(grads, param_shapes, c.params)
+            updates, inner_state = self.inner.update(grads, c.inner_state, c.params)
+            p = optax.apply_updates(c.params, updates)
+            return c._replace(params=p, inner_state=inner_state), jax.lax.pmean(loss, DATA)
+
+        carry = _Carry(params, inner, outer, jnp.zeros(2, jnp.float32))
+        events = self.round_events(payload_shapes, reducers)
+        carry, losses = scan_segments(step, carry, batch, events)
+        count = max(1, len(self.transfers))
+        nbytes = self._wire_bytes(payload_shapes, reducers)
+        metrics = RoundMetrics(
+            losses,
+            jnp.sqrt(carry.sums[0]),
+            carry.sums[1] / count,
+            jnp.asarray(nbytes, jnp.float32),
+        )
+        out = (carry.params, carry.inner_state, carry.outer_state, rnd + 1)
+        return jax.tree.map(lambda x: x[None], (*out, metrics))
+
+    def round_fn(self, state: TrainState):
+        """The jitted, shard_map'd round for states shaped like ``state``."""
+        specs = self.state_specs(state)
+        one = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), t)
+        param_shapes, outer_shapes = one(state.params), one(state.outer_state)
+        payload_shapes = [
+            jax.eval_shape(
+                lambda p, s, i=i: values(self.outer.send(p, s, i)[0]), param_shapes, outer_shapes
+            )
+            for i in range(len(self.transfers))
+        ]
+        reducers = self._choose(payload_shapes)
+        self.reducers = reducers
+        metric_spec = RoundMetrics(P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA))
+        fn = jax.shard_map(
+            lambda p, i, o, r, b: self._body(payload_shapes, param_shapes, reducers, p, i, o, r, b),
+            mesh=self.mesh,
+            in_specs=(*specs, P(REPLICA, None, DATA)),
+            out_specs=(*specs, metric_spec),
+            check_vma=self._check_vma,
+        )
+        return jax.jit(
+            lambda s, b: (lambda *o: (TrainState(*o[:4]), o[4]))(*fn(*s, b)),
+            donate_argnums=(0,) if self._donate else (),
+        )
+
+    def _get(self, state):
+        key = jax.tree.structure(state), tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
+        if key not in self._compiled:
+            self._compiled[key] = self.round_fn(state)
+        return self._compiled[key]
+
+    def round(self, state: TrainState, batch: Any) -> tuple[TrainState, RoundMetrics]:
+        """One round: H inner steps per replica on ``batch`` ([R, H, B, ...]) and the
+        schedule's transfers."""
+        self.check_batch(state, batch)
+        with target_backend(self.platform):  # fused updates are traced for the mesh's platform
+            return self._get(state)(state, self.place_batch(batch))
+
+    def place_batch(self, batch: Any) -> Any:
+        """Puts ``batch`` ([R, H, B, ...] leaves) on the mesh: replica and data sharded."""
+        sharding = NamedSharding(self.mesh, P(REPLICA, None, DATA))
+        return jax.tree.map(lambda x: jax.device_put(x, sharding), batch)
+
+    def lower(self, state: TrainState, batch: Any):
+        """``jax.stages.Lowered`` of the round (concrete or ``ShapeDtypeStruct`` arguments)."""
+        self.check_batch(state, batch)
+        with target_backend(self.platform):
+            return self._get(state).lower(state, batch)

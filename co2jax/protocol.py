@@ -1,0 +1,191 @@
+"""The outer-optimizer protocol: pure functions and a static schedule of transfers.
+
+An outer optimizer is what a replica runs around its inner steps. Its communication is a
+static *schedule*: a tuple of :class:`Transfer`, each one payload put on the wire after
+``send`` inner steps of the round and applied after ``apply`` of them (``None``: after the
+round's last step, H). Per transfer ``i``::
+
+    payload, state = outer.send(params, state, i)        # local: what goes on the wire
+    reduced = outer.reducer(payload)                     # collective over the replica axis
+    params, state = outer.apply(params, state, i, reduced)   # local: the outer update
+
+- a synchronous algorithm (DiLoCo) has one transfer sent and applied at the end;
+- a delayed one (CO2, delayed and eager DiLoCo) sends at step 0 the payload it already has
+  (computed from the state only) and applies it at the end: its reduction has the whole
+  round to hide behind;
+- Streaming DiLoCo has one transfer per fragment, each sent ``tau`` steps before it is
+  applied;
+- a transfer may be cut into ``chunks`` pieces sent at evenly spaced steps between its send
+  and apply (:func:`spread`): each step then carries 1/K of the bytes.
+
+``send`` may change the state (error feedback records what compression left out of the
+payload actually sent). The three drivers (the round engine, the per-step adapter and the
+multi-job trainer) execute any schedule through :func:`plan`; none of them looks at what the
+algorithm is. ``outer.sync(params, state)`` is the one-shot, round-level form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+
+from co2jax._checks import check_int
+from co2jax.comm.reducer import Reducer
+
+Params = Any
+State = Any
+Payload = Any
+
+
+class Transfer(NamedTuple):
+    """One payload of a round: taken after ``send`` inner steps, its reduction applied after
+    ``apply`` (``None``: after the last step, H), in ``chunks`` pieces (chunk c sent after
+    ``send + c * (apply - send) // chunks`` steps)."""
+
+    send: int | None = None
+    apply: int | None = None
+    chunks: int = 1
+
+
+SYNCHRONOUS = (Transfer(None, None),)
+"""Sent and applied after the round's last step (DiLoCo)."""
+DELAYED = (Transfer(0, None),)
+"""Sent before the round's first step, applied after its last (CO2, delayed DiLoCo)."""
+
+
+class Action(NamedTuple):
+    """What a driver does at the boundary before inner step ``at`` (``at == H``: after the
+    last step), in :func:`plan`'s order.
+
+    ``kind``: ``"sync"`` (send, reduce and apply a transfer sent and applied at ``at``),
+    ``"send"`` (take the payload and reduce its chunk 0), ``"chunk"`` (reduce chunk
+    ``chunk``) or ``"apply"`` (apply the assembled reduction).
+    """
+
+    at: int
+    kind: str
+    transfer: int
+    chunk: int = 0
+
+
+class OuterOptimizer(NamedTuple):
+    """An outer-optimizer algorithm as a tuple of pure functions and a static schedule.
+
+    Attributes:
+      init: ``init(params) -> state``, called per replica with that replica's parameters (all
+        replicas start from the same parameters). Each state type documents which of its
+        fields are replica-varying and which are replica-invariant.
+      send: ``send(params, state, i) -> (payload, state)``: transfer ``i``'s payload from the
+        replica's current parameters (and the state, which it may update).
+      reducer: the cross-replica reduction (:class:`co2jax.comm.Reducer`).
+      apply: ``apply(params, state, i, reduced) -> (params, state)``: transfer ``i``'s outer
+        update from the reduced payload.
+      schedule: the round's transfers (:class:`Transfer`), in order.
+      replica_local: True when the anchor and outer state differ between replicas (eager
+        updates), so a driver must keep them replica-varying.
+      accepts_gathered: True when ``apply`` also takes the replicas' payloads un-reduced, as
+        :class:`co2jax.kernels.Gathered` (a fused outer update averages them in its pass).
+      period: the H the schedule's step numbers are for (``None``: any H).
+    """
+
+    init: Callable[[Params], State]
+    send: Callable[[Params, State, int], tuple[Payload, State]]
+    reducer: Reducer
+    apply: Callable[[Params, State, int, Any], tuple[Params, State]]
+    schedule: tuple[Transfer, ...] = SYNCHRONOUS
+    replica_local: bool = False
+    accepts_gathered: bool = False
+    period: int | None = None
+
+    def reduce(self, payload: Payload) -> Any:
+        """``reducer(payload)``."""
+        return self.reducer(payload)
+
+    @property
+    def overlapped(self) -> bool:
+        """Some transfer is sent before the step it is applied at."""
+        return any(t.send != t.apply for t in self.schedule)
+
+    def sync(self, params: Params, state: State) -> tuple[Params, State]:
+        """Every transfer at once, after the round's inner steps: ``apply . reduce . send``.
+
+        The round-level form of a schedule whose transfers are all applied after the last
+        step and sent then or before the first (a payload sent at step 0 depends on the
+        state only); a schedule that applies during the round (Streaming DiLoCo) raises.
+        """
+        for i, t in enumerate(self.schedule):
+            if t.apply is not None or t.send not in (None, 0):
+                raise ValueError(
+                    f"transfer {i} of this outer optimizer is sent or applied during the round "
+                    f"({t}); run it with co2jax.RoundTrainer or co2jax.local_updates"
+                )
+        for i in range(len(self.schedule)):
+            payload, state = self.send(params, state, i)
+            params, state = self.apply(params, state, i, self.reducer(payload))
+        return params, state
+
+
+def payload_shapes(outer: OuterOptimizer, params: Params, state: State, i: int) -> Any:
+    """``ShapeDtypeStruct``s of transfer ``i``'s payload (``send`` traced, nothing run)."""
+    return jax.eval_shape(lambda p, s: outer.send(p, s, i)[0], params, state)
+
+
+def resolve(outer: OuterOptimizer, steps: int) -> tuple[Transfer, ...]:
+    """``outer.schedule`` for rounds of ``steps`` inner steps: ``None`` replaced by H and
+    every transfer checked (``0 <= send <= apply <= H``, ``apply >= 1``, chunks that fit)."""
+    steps = check_int("sync_every", steps, 1)
+    if outer.period is not None and outer.period != steps:
+        raise ValueError(
+            f"sync_every={steps} differs from the H this outer optimizer's schedule was made "
+            f"for ({outer.period})"
+        )
+    if not outer.schedule:
+        return ()
+    out = []
+    for i, t in enumerate(outer.schedule):
+        send = steps if t.send is None else t.send
+        apply = steps if t.apply is None else t.apply
+        if not (0 <= send <= apply <= steps and apply >= 1):
+            raise ValueError(
+                f"transfer {i} must have 0 <= send <= apply <= H={steps} and apply >= 1, got "
+                f"send={send}, apply={apply}"
+            )
+        span = max(1, apply - send)
+        if isinstance(t.chunks, bool) or not isinstance(t.chunks, int) or not 1 <= t.chunks <= span:
+            raise ValueError(
+                f"transfer {i} (send={send}, apply={apply}) can be cut into 1..{span} chunks, "
+                f"got chunks={t.chunks!r}"
+            )
+        out.append(Transfer(send, apply, t.chunks))
+    return tuple(out)
+
+
+def chunk_steps(t: Transfer) -> list[int]:
+    """The step each chunk of a resolved transfer is sent at."""
+    return [t.send + c * (t.apply - t.send) // t.chunks for c in range(t.chunks)]
+
+
+_PHASE = {"sync": 0, "apply": 0, "send": 1, "chunk": 2}
+
+
+def plan(transfers: tuple[Transfer, ...]) -> list[Action]:
+    """The actions of a round, by boundary: first every transfer applied there (in schedule
+    order; one sent there too is sent just before), then every transfer sent there and
+    applied later, then the chunks due there."""
+    actions = []
+    for i, t in enumerate(transfers):
+        if t.send == t.apply:
+            actions.append(Action(t.apply, "sync", i))
+            continue
+        actions.append(Action(t.send, "send", i))
+        for c, step in enumerate(chunk_steps(t)[1:], start=1):
+            actions.append(Action(step, "chunk", i, c))
+        actions.append(Action(t.apply, "apply", i))
+    return sorted(actions, key=lambda a: (a.at, _PHASE[a.kind]))
+
+
+def spread(transfers: tuple[Transfer, ...]) -> tuple[Transfer, ...]:
+    """Resolved transfers with every overlapped one cut into a chunk per step it spans."""
+    return tuple(t._replace(chunks=max(1, t.apply - t.send)) for t in transfers)

@@ -1,0 +1,133 @@
+"""Pytree helpers shared by every layer: arithmetic, flattening, varying-axis groups, chunks.
+
+Nothing here communicates. :func:`varying_groups` matters inside ``jax.shard_map``: there a
+data shard of one leaf may sit beside a whole leaf (the round engine's sharded outer state),
+and anything that packs leaves into one buffer must pack each group on its own, or the whole
+leaf comes back typed (and valued) as a function of the shard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def tree_sub(a: Any, b: Any) -> Any:
+    return jax.tree.map(lambda x, y: x - y, a, b)
+
+
+def tree_all_finite(tree: Any) -> jax.Array:
+    """A 0-d bool: True when every element of every leaf is finite."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.array(True)
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
+
+
+def tree_select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    return jax.tree.map(lambda t, f: jnp.where(pred, t, f), on_true, on_false)
+
+
+def tree_size(tree: Any) -> int:
+    """Elements in every leaf of ``tree`` (arrays or ShapeDtypeStructs)."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def tree_bytes(tree: Any) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def common_dtype(leaves: list) -> Any:
+    """The dtype every leaf converts to without loss (float32 for mixed float widths)."""
+    return jnp.result_type(*(x.dtype for x in leaves)) if leaves else jnp.float32
+
+
+def flatten(leaves: list, dtype: Any = jnp.float32) -> tuple[jax.Array, Callable]:
+    """One ``dtype`` vector of ``leaves`` (a list of arrays), and the function that splits a
+    vector of that length back into arrays shaped (and typed) like the leaves."""
+    if not leaves:
+        return jnp.zeros((0,), dtype), lambda v: []
+    flat = jnp.concatenate([x.astype(dtype).ravel() for x in leaves])
+    shapes = [(x.shape, x.dtype) for x in leaves]
+
+    def unflatten(vector: jax.Array) -> list:
+        pieces, offset = [], 0
+        for shape, dt in shapes:
+            n = math.prod(shape)
+            pieces.append(vector[offset : offset + n].reshape(shape).astype(dt))
+            offset += n
+        return pieces
+
+    return flat, unflatten
+
+
+def varying_axes(x: Any) -> frozenset | None:
+    """The mesh axes ``x`` varies over inside ``shard_map`` (``None`` outside it)."""
+    kind = getattr(jax.typeof(x), "manual_axis_type", None)
+    return None if kind is None else frozenset(kind.varying)
+
+
+def varying_groups(leaves: list) -> tuple[tuple[int, ...], ...]:
+    """Indices of ``leaves`` grouped by the mesh axes they vary over, in order of first
+    appearance (one group outside ``shard_map``)."""
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(varying_axes(x), []).append(i)
+    return tuple(tuple(g) for g in groups.values())
+
+
+def by_varying_axes(tree: Any, fn: Callable[[list], list]) -> Any:
+    """Applies ``fn`` to each :func:`varying_groups` group of ``tree``'s leaves."""
+    leaves, treedef = jax.tree.flatten(tree)
+    out: list[Any] = [None] * len(leaves)
+    for group in varying_groups(leaves):
+        for i, y in zip(group, fn([leaves[i] for i in group]), strict=True):
+            out[i] = y
+    return jax.tree.unflatten(treedef, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunks: a payload cut into K pieces, every leaf contributing 1/K of its elements to each
+
+
+def chunk_size(n: int, chunks: int) -> int:
+    return -(-n // chunks)
+
+
+def split_chunks(tree: Any, chunks: int) -> list[jax.Array]:
+    """Each leaf flattened, zero-padded to ``chunks * size`` and shaped ``[chunks, size]``
+    (``size = ceil(n / chunks)``): chunk c of the tree is row c of every leaf."""
+    out = []
+    for x in jax.tree.leaves(tree):
+        size = chunk_size(x.size, chunks)
+        out.append(jnp.pad(x.reshape(-1), (0, chunks * size - x.size)).reshape(chunks, size))
+    return out
+
+
+def take_chunk(buffer: list[jax.Array], c: Any, treedef: Any) -> Any:
+    """Chunk ``c`` (a Python int or a traced index) of a :func:`split_chunks` buffer, as a
+    tree of 1-D pieces with ``treedef``."""
+    pieces = [jax.lax.dynamic_index_in_dim(b, c, keepdims=False) for b in buffer]
+    return jax.tree.unflatten(treedef, pieces)
+
+
+def put_chunk(buffer: list[jax.Array], c: Any, pieces: Any) -> list[jax.Array]:
+    """The buffer with chunk ``c`` replaced by ``pieces`` (a tree of 1-D pieces)."""
+    return [
+        jax.lax.dynamic_update_index_in_dim(b, p.astype(b.dtype), c, 0)
+        for b, p in zip(buffer, jax.tree.leaves(pieces), strict=True)
+    ]
+
+
+def join_chunks(buffer: list[jax.Array], like: Any) -> Any:
+    """The inverse of :func:`split_chunks`: a tree shaped (and typed) like ``like``."""
+    leaves, treedef = jax.tree.flatten(like)
+    out = [
+        b.reshape(-1)[: math.prod(x.shape)].reshape(x.shape).astype(x.dtype)
+        for b, x in zip(buffer, leaves, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, out)

@@ -1,0 +1,281 @@
+"""Token sources for the experiment streams: a synthetic Markov language and real text.
+
+:class:`MarkovSource` (synthetic, with a known entropy rate: the loss floor), :class:`Corpus`
+(any flat token array), :class:`ByteText` (bytes of text files, vocab 256;
+:func:`stdlib_corpus` lists a real corpus present on every machine) and :class:`TokenFile`
+(pre-tokenized flat ``.bin``). :mod:`experiments.data` cuts them into replica streams.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_CHUNK = 1 << 24
+
+
+def checked_int(name: str, value: Any, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{name}={value!r}: must be an integer")
+    if value < lo:
+        raise ValueError(f"{name}={value!r}: must be >= {lo}")
+    return int(value)
+
+
+class MarkovSource:
+    """Sparse random first-order Markov chain with an analytic entropy rate.
+
+    Row ``i`` of the transition matrix ``P`` has ``branching`` = k nonzero entries: a self-loop
+    ``i -> i``, a successor ``i -> sigma(i)`` on one random cycle through all ``vocab_size``
+    tokens, and k - 2 further distinct random tokens. The cycle makes the chain irreducible and
+    the self-loop makes it aperiodic, so the stationary distribution ``pi`` (``pi P = pi``) is
+    unique and every chain started anywhere converges to it. Row probabilities are
+    ``softmax(z / temperature)`` with ``z ~ N(0, 1)`` (logits floored at ``max - 50`` so none
+    underflows to 0); lower temperature means peakier rows and a lower entropy rate
+
+        H = sum_i pi_i H(P_i),   H(P_i) = -sum_j P_ij log P_ij   (nats / token),
+
+    the expected loss of the ideal next-token predictor. ``pi`` is solved exactly (dense linear
+    system) for vocab_size <= 2048, in closed form ``pi_i ∝ 1 / (1 - P_ii)`` for k = 2 (a lazy
+    walk on the cycle), otherwise by power iteration on the sparse rows.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        branching: int,
+        seed: int | Sequence[int] = 0,
+        temperature: float = 1.0,
+    ):
+        v = self.vocab_size = checked_int("vocab_size", vocab_size, 2)
+        k = self.branching = checked_int("branching", branching, 2)
+        if k > v:
+            raise ValueError(f"branching={k}: must be <= vocab_size={v}")
+        if not (isinstance(temperature, int | float) and 0 < temperature < math.inf):
+            raise ValueError(f"temperature={temperature!r}: must be a finite number > 0")
+        self.temperature = float(temperature)
+        try:
+            rng = np.random.default_rng(seed)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"seed={seed!r}: {e}") from None
+        order = rng.permutation(v)
+        cycle = np.empty(v, np.int64)
+        cycle[order] = np.roll(order, -1)
+        succ = np.empty((v, k), np.int64)
+        succ[:, 0], succ[:, 1] = np.arange(v), cycle
+        x = rng.integers(0, v - 2, size=(v, k - 2)) if v > 2 else np.zeros((v, 0), np.int64)
+        xs = np.sort(x, 1)
+        for i in np.flatnonzero((xs[:, 1:] == xs[:, :-1]).any(1)):  # redraw rows with repeats
+            x[i] = rng.choice(v - 2, size=k - 2, replace=False)
+        lo, hi = np.minimum(succ[:, :1], succ[:, 1:2]), np.maximum(succ[:, :1], succ[:, 1:2])
+        x = x + (x >= lo)  # skip the two tokens already in the row
+        succ[:, 2:] = x + (x >= hi)
+        logits = rng.standard_normal((v, k)) / self.temperature
+        probs = np.exp(np.maximum(logits - logits.max(1, keepdims=True), -50.0))
+        self.successors = succ
+        self.probs = probs / probs.sum(1, keepdims=True)
+        self.stationary = _stationary(self.successors, self.probs)
+        self._cum = np.cumsum(self.probs, 1)[:, :-1]
+        self._pi_cum = np.cumsum(self.stationary)
+
+    @property
+    def entropy_rate(self) -> float:
+        """``sum_i pi_i H(P_i)`` in nats per token."""
+        row_h = -(self.probs * np.log(self.probs)).sum(1)
+        return float(self.stationary @ row_h)
+
+    def dense(self) -> np.ndarray:
+        """The transition matrix ``P`` as a dense ``[V, V]`` array (for small V)."""
+        p = np.zeros((self.vocab_size, self.vocab_size))
+        p[np.arange(self.vocab_size)[:, None], self.successors] = self.probs
+        return p
+
+    def sample(self, rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
+        """``[batch, length]`` int32 sequences; the first token is drawn from ``pi``.
+
+        Vectorized over the batch: at each position, sequence b picks successor j of its
+        current row x_b as ``#{m < k - 1 : cumsum(P_{x_b})_m <= u_b}``, u_b ~ U[0, 1).
+        """
+        batch, length = checked_int("batch", batch, 1), checked_int("length", length, 1)
+        u = rng.random((length, batch))
+        x = np.minimum(np.searchsorted(self._pi_cum, u[0], side="right"), self.vocab_size - 1)
+        out = np.empty((batch, length), np.int32)
+        out[:, 0] = x
+        for t in range(1, length):
+            j = (self._cum[x] <= u[t, :, None]).sum(1)
+            x = self.successors[x, j]
+            out[:, t] = x
+        return out
+
+    def log_prob(self, tokens: np.ndarray) -> np.ndarray:
+        """``log P(x_{t+1} | x_t)`` for every transition, shape ``[..., L - 1]`` (-inf if
+        impossible)."""
+        t = np.asarray(tokens)
+        prev, nxt = t[..., :-1], t[..., 1:]
+        p = np.where(self.successors[prev] == nxt[..., None], self.probs[prev], 0.0).sum(-1)
+        with np.errstate(divide="ignore"):
+            return np.log(p)
+
+
+def _stationary(succ: np.ndarray, probs: np.ndarray) -> np.ndarray:
+    v, k = probs.shape
+    if v <= 2048:  # (P^T - I) pi = 0 has rank V - 1; replace one equation by sum(pi) = 1
+        a = np.zeros((v, v))
+        a[np.arange(v)[:, None], succ] = probs
+        a = a.T - np.eye(v)
+        a[-1] = 1.0
+        pi = np.linalg.solve(a, np.eye(v)[-1])
+    elif k == 2:  # flow balance on the cycle: pi_i (1 - P_ii) is the same for every i
+        pi = 1.0 / (1.0 - probs[:, 0])
+    else:
+        pi = np.full(v, 1.0 / v)
+        for _ in range(100_000):
+            new = np.bincount(succ.ravel(), (pi[:, None] * probs).ravel(), minlength=v)
+            delta, pi = np.abs(new - pi).sum(), new
+            if delta < 1e-13:
+                break
+        else:
+            raise RuntimeError("stationary distribution: power iteration did not converge")
+    pi = np.clip(pi, 0.0, None)
+    return pi / pi.sum()
+
+
+def _extreme(tokens: np.ndarray, fn) -> int:
+    return int(max(fn(tokens[i : i + _CHUNK]) for i in range(0, tokens.size, _CHUNK)))
+
+
+class Corpus:
+    """A flat 1-D array of token ids, kept as given (a memmap stays a memmap).
+
+    ``vocab_size`` defaults to ``max token + 1`` (one chunked pass); when given and ``check``
+    is true, the same pass verifies every id is in ``[0, vocab_size)``.
+    """
+
+    def __init__(self, tokens, vocab_size: int | None = None, name: str = "corpus", check=True):
+        t = tokens if isinstance(tokens, np.memmap) else np.asarray(tokens)
+        if t.ndim != 1 or t.size == 0 or not np.issubdtype(t.dtype, np.integer):
+            raise ValueError(f"tokens: {name} must be a non-empty 1-D integer array")
+        self.tokens, self.name = t, name
+        if vocab_size is None or check:
+            lo, hi = _extreme(t, np.min), _extreme(t, np.max)
+            if lo < 0:
+                raise ValueError(f"tokens: {name} holds a negative token id {lo}")
+            vocab_size = hi + 1 if vocab_size is None else vocab_size
+            if checked_int("vocab_size", vocab_size, 1) <= hi:
+                raise ValueError(f"vocab_size={vocab_size}: {name} holds token id {hi}")
+        self.vocab_size = checked_int("vocab_size", vocab_size, 1)
+        if self.vocab_size > np.iinfo(np.int32).max:
+            raise ValueError(f"vocab_size={vocab_size}: must fit in int32")
+
+    def __len__(self) -> int:
+        return int(self.tokens.size)
+
+    entropy_rate = None
+
+
+def _resolve(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    """Files named by each entry: a file, a directory (every non-hidden file under it,
+    recursively, sorted) or a glob pattern (``**`` recurses; matches sorted)."""
+    entries = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+    if not entries:
+        raise ValueError("path=[]: no paths given")
+    files: list[Path] = []
+    for entry in entries:
+        p = Path(entry)
+        if p.is_dir():
+            found = sorted(
+                f
+                for f in p.rglob("*")
+                if f.is_file() and not any(s.startswith(".") for s in f.relative_to(p).parts)
+            )
+        elif p.is_file():
+            found = [p]
+        else:
+            found = sorted(Path(f) for f in glob.glob(str(entry), recursive=True))
+            found = [f for f in found if f.is_file()]
+        if not found:
+            raise ValueError(f"path={str(entry)!r}: matches no file")
+        files += found
+    return files
+
+
+class ByteText(Corpus):
+    """Byte-level tokens (vocab 256) of text files, concatenated in order.
+
+    ``paths``: a file, directory or glob, or a list of them (see ``_resolve``). A single file
+    is memory-mapped; several are read into one ``uint8`` array, stopping once ``max_bytes``
+    (if given) are in; the result is truncated to ``max_bytes``.
+    """
+
+    def __init__(self, paths, max_bytes: int | None = None):
+        self.paths = _resolve(paths)
+        cap = math.inf if max_bytes is None else checked_int("max_bytes", max_bytes, 1)
+        if sum(f.stat().st_size for f in self.paths) == 0:
+            raise ValueError(f"path={str(paths)!r}: the matched files are empty")
+        if len(self.paths) == 1:
+            tokens = np.memmap(self.paths[0], np.uint8, mode="r")
+        else:
+            parts, total = [], 0
+            for f in self.paths:
+                if total >= cap:
+                    break
+                parts.append(np.fromfile(f, np.uint8))
+                total += parts[-1].size
+            tokens = np.concatenate(parts)
+        if max_bytes is not None:
+            tokens = tokens[:cap]
+        super().__init__(tokens, 256, name=str(paths), check=False)
+
+
+def stdlib_corpus(max_bytes: int = 20_000_000) -> list[Path]:
+    """The standard library's own ``.py`` files (site-/dist-packages excluded), sorted by
+    relative path; a file is kept if it still fits under ``max_bytes`` in total."""
+    cap = checked_int("max_bytes", max_bytes, 1)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    files = sorted(
+        (f for f in root.rglob("*.py") if not skip & set(f.relative_to(root).parts)),
+        key=lambda f: f.relative_to(root).as_posix(),
+    )
+    chosen, total = [], 0
+    for f in files:
+        size = f.stat().st_size if f.is_file() else 0
+        if 0 < size <= cap - total:
+            chosen.append(f)
+            total += size
+    if not chosen:
+        raise ValueError(f"max_bytes={max_bytes}: no stdlib .py file under {root} fits")
+    return chosen
+
+
+class TokenFile(Corpus):
+    """A flat pre-tokenized ``.bin`` file (``np.tofile`` of uint16 or uint32 ids), memmapped.
+
+    ``vocab_size`` defaults to ``max id + 1``; see :class:`Corpus` for the range check.
+    """
+
+    def __init__(self, path, dtype: str = "uint16", vocab_size: int | None = None, check=True):
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = None
+        if name not in ("uint16", "uint32"):
+            raise ValueError(f"dtype={dtype!r}: must be 'uint16' or 'uint32'")
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"path={str(path)!r}: is not a file")
+        size, item = p.stat().st_size, np.dtype(name).itemsize
+        if size == 0 or size % item:
+            raise ValueError(
+                f"path={str(path)!r}: {size} bytes is not a positive multiple of the "
+                f"{name} itemsize {item} (wrong dtype?)"
+            )
+        self.path = p
+        super().__init__(np.memmap(p, name, mode="r"), vocab_size, name=str(p), check=check)
