@@ -325,8 +325,6 @@ def _pallas(spec, payload, trees, apply, gap_correction, impl, block_sizes) -> O
 
 def state_names(spec: OuterUpdateSpec) -> list[str]:
     """The state buffers ``spec`` reads, named as :func:`outer_update`'s arguments."""
-    from co2jax.kernels.outer_update import _inputs
-
     return [x for x in _inputs(spec) if x not in ("payloads", "apply", "gap_correction")]
 
 

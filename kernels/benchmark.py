@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 
 from co2jax.kernels import api
-from co2jax.kernels.layout import make_layout
+from co2jax.kernels import quantize as qk
+from co2jax.kernels.layout import Gathered, make_layout
 from co2jax.kernels.outer_update import _inputs
 from co2jax.kernels.spec import LANES, OuterUpdateSpec, default_block_sizes
 
@@ -137,8 +138,6 @@ def _int8_programs(spec, n, replicas, backend, sharding):
     """The three ways to step on R int8 payloads (codes ``[R, rows, 128]``, a scale per row):
     ``xla`` (decode, mean and update in jnp), ``two kernels`` (the dequantize-mean kernel
     writes the float32 mean, the update kernel reads it) and ``fused`` (one kernel)."""
-    from co2jax.kernels import quantize as qk
-    from co2jax.kernels.layout import Gathered
 
     block = default_block_sizes(backend)
     leaf = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=sharding)

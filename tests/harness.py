@@ -10,7 +10,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from textbook import Problem
 
+import co2jax
 from co2jax import hlo as co2jax_hlo
+from co2jax.algorithms import registry
 
 # One tolerance table for the whole suite (STYLE.md): float32 1e-6-ish, bf16 1e-2.
 TOL = {
@@ -50,6 +52,22 @@ def _inner_scan(inner, params, inner_state, grad_fn, H):
 
     (params, inner_state), _ = jax.lax.scan(step, (params, inner_state), None, length=H)
     return params, inner_state
+
+
+def registered(name: str, problem: Problem, lr: float, H: int, **overrides):
+    """``(outer, inner)`` of the registry's algorithm ``name`` as the shared tests build it:
+    the config of ``textbook.REGISTERED`` (plus ``overrides``), plain SGD inside."""
+    from textbook import REGISTERED
+
+    config = registry.OuterConfig(algorithm=name, **{**REGISTERED[name][0], **overrides})
+    params = jax.tree.map(lambda x: x[0], initial_params(problem))
+    context = registry.Context(H, params, lr, num_replicas=problem.replicas)
+    return registry.build(config, context), registry.inner(config, optax.sgd(lr))
+
+
+def syncs_per_round(outer) -> bool:
+    """``outer.sync`` is its round-level form (no transfer applied during the round)."""
+    return all(t.apply is None and t.send in (None, 0) for t in outer.schedule)
 
 
 def run_vmap(
@@ -138,8 +156,10 @@ def place(tree, mesh, spec):
     return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec)), tree)
 
 
-def run_shard_map(outer, problem, lr, H, rounds, mesh, dtype=jnp.float32, check_vma=True):
-    inner = optax.sgd(lr)
+def run_shard_map(
+    outer, problem, lr, H, rounds, mesh, dtype=jnp.float32, check_vma=True, inner=None
+):
+    inner = optax.sgd(lr) if inner is None else inner
     params = initial_params(problem, dtype)
     state = jax.vmap(outer.init)(params)
     inner_state = jax.vmap(inner.init)(params)
@@ -213,16 +233,28 @@ def vmap_step(tx):
     return jax.jit(jax.vmap(step, axis_name="replica"))
 
 
-def run_vmap_steps(tx, problem: Problem, steps: int, every: int):
+def run_vmap_steps(tx, problem: Problem, steps: int, every: int, dtype=jnp.float32):
     """``steps`` per-step updates from theta0; the parameters after every ``every``-th step
-    ([steps // every, R, dim]) and the jitted step (to inspect its compilations)."""
-    params = initial_params(problem)
+    ([steps // every, R, dim]), the jitted step (to inspect its compilations) and the last
+    state."""
+    params = initial_params(problem, dtype)
     state = jax.vmap(tx.init)(params)
-    d, c = jnp.asarray(problem.d), jnp.asarray(problem.c)
+    d, c = jnp.asarray(problem.d, dtype), jnp.asarray(problem.c, dtype)
     step = vmap_step(tx)
     out = []
     for i in range(steps):
         params, state = step(params, state, d, c)
         if (i + 1) % every == 0:
-            out.append(np.asarray(flatten(params)))
-    return np.stack(out), step
+            out.append(np.asarray(flatten(params), np.float64))
+    return np.stack(out), step, state
+
+
+def run_rounds(outer, problem, lr, H, rounds, dtype=jnp.float32, inner=None):
+    """Under vmap: round-level syncs where the schedule allows, else the per-step adapter.
+    Returns the trajectory [rounds, R, dim] and the outer state."""
+    inner = optax.sgd(lr) if inner is None else inner
+    if syncs_per_round(outer):
+        return run_vmap(outer, problem, lr, H, rounds, dtype, inner)
+    tx = co2jax.local_updates(inner, outer, H)
+    got, _, state = run_vmap_steps(tx, problem, rounds * H, H, dtype)
+    return got, state.outer_state

@@ -1,12 +1,15 @@
 """One replica job of ``test_multijob.py``; not a test itself.
 
 Usage: ``python multijob_worker.py RANK ADDRESSES OUT_DIR [MODE]`` with ADDRESSES
-comma-separated ``host:port`` of every job's transfer server. Runs ROUNDS rounds of each
-algorithm in ``ALGORITHMS`` on the textbook problem (this job's replica slice of the data)
-with :class:`co2jax.JobTrainer` and saves every round's parameters as
+comma-separated ``host:port`` of every job's transfer server (each job uses its port and the
+``len(ALGORITHMS) - 1`` after it, one per algorithm). Runs ROUNDS rounds of every algorithm of
+the registry but DDP (which communicates every step, not per round) with
+:class:`co2jax.JobTrainer` on the textbook problem (this job's replica slice of the data), as
+``harness.registered`` builds it, and saves every round's parameters as
 ``OUT_DIR/{name}_{RANK}.npy`` ([rounds, dim]). MODE ``die`` makes the job exit after its first
-round (a peer dying mid-run); ``wait`` runs with a short timeout and records a PeerError in
-``OUT_DIR/error_{RANK}.txt``, saving the state it had before the failed round.
+round (a peer dying mid-run); ``wait`` runs the first algorithm with a short timeout and
+records a PeerError in ``OUT_DIR/error_{RANK}.txt``, saving the state it had before the
+failed round.
 """
 
 from __future__ import annotations
@@ -14,8 +17,24 @@ from __future__ import annotations
 import os
 import sys
 
-REPLICAS, ROUNDS, DATA_DEVICES = 2, 2, 2
-ALGORITHMS = ("diloco", "co2")
+REPLICAS, ROUNDS, DATA_DEVICES, DIM = 2, 2, 2, 16
+LR = 0.1
+ALGORITHMS = (
+    "diloco",
+    "local_sgd",
+    "slowmo",
+    "delayed_diloco",
+    "eager_diloco",
+    "co2",
+    "streaming_diloco",
+    "sparseloco",
+)
+
+
+def problem():
+    import textbook as tb
+
+    return tb.make_problem(replicas=REPLICAS, examples=2, dim=DIM, seed=5)
 
 
 def main(rank: str, addresses: str, out_dir: str, mode: str = "run") -> None:
@@ -26,27 +45,27 @@ def main(rank: str, addresses: str, out_dir: str, mode: str = "run") -> None:
     import harness
     import jax.numpy as jnp
     import numpy as np
-    import optax
     import textbook as tb
-    from test_algorithms import CASES
-    from test_engine import LR, H, engine_loss, textbook_batch
+    from test_engine import engine_loss, textbook_batch
 
     import co2jax
 
     rank = int(rank)
     timeout = 10.0 if mode == "wait" else 120.0
-    problem = tb.make_problem(replicas=REPLICAS, examples=2)
-    batch = {k: v[rank] for k, v in textbook_batch(problem).items()}
+    H = tb.REGISTERED_H
+    prob = problem()
+    batch = {k: v[rank] for k, v in textbook_batch(prob, H).items()}
     mesh = co2jax.make_mesh(replica=1, data=DATA_DEVICES)
-    for step, name in enumerate(ALGORITHMS):
+    names = ALGORITHMS[:1] if mode != "run" else ALGORITHMS
+    for step, name in enumerate(names):
         # each algorithm gets its own ports: a transfer server lives as long as the process
         ports = [a.rpartition(":") for a in addresses.split(",")]
         peers = co2jax.Peers(
             tuple(f"{h}:{int(p) + step}" for h, _, p in ports), rank, timeout_s=timeout
         )
-        outer = next(case for case in CASES if case.name == name).make()
-        trainer = co2jax.JobTrainer(engine_loss, optax.sgd(LR), outer, peers, H, mesh)
-        state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
+        outer, inner = harness.registered(name, prob, LR, H)
+        trainer = co2jax.JobTrainer(engine_loss, inner, outer, peers, H, mesh)
+        state = trainer.init(harness.unflatten(jnp.asarray(prob.theta0, jnp.float32)))
         out = []
         for r in range(ROUNDS):
             if mode == "die" and r == 1:

@@ -160,7 +160,7 @@ def test_gap_aware_penalty_is_active(problem):
 
 def test_data_parallel_matches_textbook(problem):
     opt = co2jax.data_parallel(optax.sgd(LR))
-    got, _ = harness.run_vmap_steps(opt, problem, ROUNDS * H, every=H)
+    got, *_ = harness.run_vmap_steps(opt, problem, ROUNDS * H, every=H)
     expected = tb.data_parallel_sgd(problem, LR, H, ROUNDS)
     np.testing.assert_allclose(got, expected, **harness.TOL[jnp.dtype(jnp.float32)])
 

@@ -339,6 +339,8 @@ def test_engine_counts_the_fused_int8_layout():
     problem = tb.make_problem(replicas=4, examples=2)
     mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
     outer = _int8_diloco("interpret", dict(implementation="interpret"))
+    # Pallas' interpreter is not typed for shard_map's varying-axis check; the twin with the
+    # check on is test_round_engine_keeps_the_compressed_collective (the same int8 all-gather)
     got, _, metrics, _ = run_engine(outer, problem, mesh, rounds=2, check_vma=False)
     want, _ = harness.run_vmap(outer, problem, 0.1, 3, 2)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

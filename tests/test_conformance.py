@@ -1,6 +1,9 @@
-"""The conformance list: every algorithm inherits these checks. Adding one is one line."""
+"""The conformance list: every algorithm of the registry inherits these checks, plus a few
+factory variants. Adding an algorithm to the registry (with its textbook entry) adds it here."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import harness
 import jax
@@ -12,24 +15,52 @@ import textbook as tb
 
 import co2jax
 from co2jax import penalties
+from co2jax.algorithms import registry
 
-ALGORITHMS = {
-    "local_sgd": lambda: co2jax.local_sgd(),
-    "diloco": lambda: co2jax.diloco(optax.sgd(0.7, momentum=0.9, nesterov=True)),
-    "delayed_diloco": lambda: co2jax.delayed_diloco(optax.sgd(0.5, momentum=0.5, nesterov=True)),
-    "eager_diloco": lambda: co2jax.eager_diloco(optax.sgd(0.7, momentum=0.5, nesterov=True)),
-    "slowmo": lambda: co2jax.slowmo(0.1, slow_learning_rate=1.0, slow_momentum=0.5),
-    # a one-round-stale step with heavy momentum oscillates: keep beta small (as the released
-    # code does for few replicas)
-    "co2": lambda: co2jax.co2(1.0, 0.2, clip_threshold=1.0),
-    "co2_gap_aware": lambda: co2jax.co2(1.0, 0.2, penalty=penalties.gap_aware()),
-    "co2_reference_code": lambda: co2jax.co2(1.0, 0.5, mode="reference_code"),
-    "skip_nonfinite(co2)": lambda: co2jax.skip_nonfinite(co2jax.co2(1.0, 0.2)),
-    "skip_nonfinite(delayed_diloco)": lambda: co2jax.skip_nonfinite(
-        co2jax.delayed_diloco(optax.sgd(0.5, momentum=0.5, nesterov=True))
-    ),
-}
+H = tb.REGISTERED_H
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "algorithms"
+
+
+def _problem(seed=7, dim=16):
+    return tb.make_problem(replicas=4, examples=2, dim=dim, seed=seed)
+
+
+def _registered(name):
+    return lambda problem, lr: harness.registered(name, problem, lr, H)
+
+
+def _variant(make):
+    return lambda problem, lr: (make(), optax.sgd(lr))
+
+
+ALGORITHMS = {name: _registered(name) for name in registry.NAMES}
+ALGORITHMS.update(
+    {
+        "co2_gap_aware": _variant(lambda: co2jax.co2(1.0, 0.2, penalty=penalties.gap_aware())),
+        "co2_reference_code": _variant(lambda: co2jax.co2(1.0, 0.5, mode="reference_code")),
+        "skip_nonfinite(delayed_diloco)": _variant(
+            lambda: co2jax.skip_nonfinite(
+                co2jax.delayed_diloco(optax.sgd(0.5, momentum=0.5, nesterov=True))
+            )
+        ),
+        "error_feedback(diloco int8)": _variant(
+            lambda: co2jax.error_feedback(
+                co2jax.diloco(
+                    optax.sgd(0.7, momentum=0.9, nesterov=True),
+                    reduce=co2jax.comm.all_gather_compressed(co2jax.comm.int8(block=8)),
+                )
+            )
+        ),
+    }
+)
 NAMES = list(ALGORITHMS)
+TOPK = {"sparseloco"}  # payloads chosen by top-k magnitude
+
+
+def test_every_registered_algorithm_has_its_textbook_loop_and_page():
+    assert set(tb.REGISTERED) == set(registry.NAMES)
+    missing = [name for name in registry.NAMES if not (DOCS / f"{name}.md").exists()]
+    assert missing == []
 
 
 def _global_loss(problem, theta):
@@ -43,8 +74,9 @@ def _global_loss(problem, theta):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_converges_on_heterogeneous_quadratic(name):
-    problem = tb.make_problem(replicas=4, examples=2, seed=7)
-    got, _ = harness.run_vmap(ALGORITHMS[name](), problem, 0.1, 5, 40)
+    problem = _problem()
+    outer, inner = ALGORITHMS[name](problem, 0.1)
+    got, _ = harness.run_rounds(outer, problem, 0.1, H, 40, inner=inner)
     # The optimum of the mean objective, in closed form.
     cbar = problem.c.mean(axis=1)
     optimum = (problem.d * cbar).sum(0) / problem.d.sum(0)
@@ -56,39 +88,53 @@ def test_converges_on_heterogeneous_quadratic(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_bf16_stays_bf16(name):
-    problem = tb.make_problem(seed=8)
-    outer = ALGORITHMS[name]()
-    got_bf16, state = harness.run_vmap(outer, problem, 0.1, 3, 3, dtype=jnp.bfloat16)
+    problem = _problem(seed=8)
+    outer, inner = ALGORITHMS[name](problem, 0.1)
+    got_bf16, state = harness.run_rounds(outer, problem, 0.1, H, 3, jnp.bfloat16, inner)
     init_state = jax.vmap(outer.init)(harness.initial_params(problem, jnp.bfloat16))
     dtypes = lambda s: [x.dtype for x in jax.tree.leaves(s)]
     assert dtypes(state) == dtypes(init_state)
-    assert jnp.dtype(jnp.bfloat16) in dtypes(state)
-    got_f32, _ = harness.run_vmap(ALGORITHMS[name](), problem, 0.1, 3, 3)
-    np.testing.assert_allclose(got_bf16, got_f32, rtol=5e-2, atol=5e-2)  # 9 bf16 steps
+    if jax.tree.leaves(init_state):  # DDP's outer state is empty
+        assert jnp.dtype(jnp.bfloat16) in dtypes(state)
+    outer, inner = ALGORITHMS[name](problem, 0.1)
+    got_f32, _ = harness.run_rounds(outer, problem, 0.1, H, 3, inner=inner)
+    if name in TOPK:
+        # top-k of bfloat16 magnitudes selects another index where two round together: that
+        # element moves by a whole step; the others stay within the bf16 tolerance
+        close = np.isclose(got_bf16, got_f32, rtol=5e-2, atol=5e-2)
+        assert close.mean() > 0.9, close.mean()
+    else:
+        np.testing.assert_allclose(got_bf16, got_f32, rtol=5e-2, atol=5e-2)  # 12 bf16 steps
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_state_types_stable_under_jit(name):
-    outer = ALGORITHMS[name]()
-    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros((4, 2))}
-    state = jax.vmap(outer.init)(params)
-    sync = jax.jit(jax.vmap(outer.sync, axis_name="replica"))
+    """Through the per-step adapter (every schedule runs there): one compiled step for sync
+    and non-sync steps, and the state keeps its types across rounds."""
+    problem = _problem()
+    outer, inner = ALGORITHMS[name](problem, 0.1)
+    tx = co2jax.local_updates(inner, outer, H)
+    params = harness.initial_params(problem)
+    state = jax.vmap(tx.init)(params)
+    step = harness.vmap_step(tx)
+    d, c = jnp.asarray(problem.d), jnp.asarray(problem.c)
     types = lambda s: jax.tree.map(lambda x: (x.shape, x.dtype, type(x)), s)
-    local = jax.tree.map(lambda x: x + jnp.arange(4.0).reshape(4, *([1] * (x.ndim - 1))), params)
-    new_params, new_state = sync(local, state)
-    for _ in range(2):
-        new_params, new_state = sync(jax.tree.map(lambda x: x + 0.1, new_params), new_state)
-    assert type(new_state) is type(state)
+    new_params, new_state = params, state
+    for _ in range(2 * H + 1):
+        new_params, new_state = step(new_params, new_state, d, c)
+    assert type(new_state.outer_state) is type(state.outer_state)
     assert jax.tree.structure(new_state) == jax.tree.structure(state)
     assert types(new_state) == types(state)
     assert types(new_params) == types(params)
-    assert sync._cache_size() == 1
+    assert step._cache_size() == 1
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_abstract_init(name):
-    outer = ALGORITHMS[name]()
-    params = {"w": jnp.ones((3, 2), jnp.bfloat16), "b": jnp.zeros((2,), jnp.float32)}
+    problem = _problem()
+    outer, _ = ALGORITHMS[name](problem, 0.1)
+    params = jax.tree.map(lambda x: x[0], harness.initial_params(problem))
+    params["w"] = params["w"].astype(jnp.bfloat16)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     shapes = jax.eval_shape(outer.init, abstract)
     concrete = outer.init(params)

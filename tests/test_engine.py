@@ -311,3 +311,23 @@ def test_gathered_payloads_reach_the_kernel(name, shard_outer_state, problem, me
     text = trainer.lower(state, batch).compile().as_text()
     found = co2jax.hlo.over_axis(co2jax.hlo.collectives(text), mesh, "replica")
     assert {c.op for c in found} == {"all-gather"}, found  # no separate all-reduce mean
+
+
+@pytest.mark.parametrize("layout", ["shard_outer_state", "fsdp"])
+@pytest.mark.parametrize("name", ["co2", "local_sgd", "eager_diloco"])
+def test_all_gather_with_split_outer_state_under_check_vma(name, layout, problem, mesh):
+    """The all-gather reducers (the stacked one for the fused update, here on its jnp path)
+    with the outer state split over data and a leaf that cannot be ("w": 3 elements over
+    data=2), under shard_map's varying-axis check: each group of leaves is gathered on its
+    own, so the whole leaf stays data-invariant. Before the fix the round did not build (its
+    whole leaf came back typed as varying over data). The check is on here: this is the twin
+    of the interpreter tests that must turn it off."""
+    case = next(c for c in CASES if c.name == name)
+    got, state, _, trainer = run_engine(
+        case.make(), problem, mesh, reducer="all_gather", **{layout: True}
+    )
+    np.testing.assert_allclose(got, case.textbook(problem), **TOL)
+    assert trainer.reducer_kind == "all_gather" and trainer._check_vma
+    anchor = state.outer_state.anchor
+    assert anchor["b"].sharding.shard_shape(anchor["b"].shape) == (1, 1)  # split over data
+    assert anchor["w"].sharding.shard_shape(anchor["w"].shape) == (1, 3)  # whole

@@ -11,13 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import harness
 import jax
+import jax.numpy as jnp
 import multijob_worker as worker
 import numpy as np
 import pytest
 import textbook as tb
-from test_algorithms import CASES
-from test_engine import run_engine
+from test_engine import engine_loss, textbook_batch
 
 import co2jax
 
@@ -25,24 +26,35 @@ TESTS = Path(__file__).parent
 TIMEOUT_S = 240
 
 
-def _free_port_pairs(count: int) -> list[int]:
-    """``count`` ports p with p and p + 1 both free (one per algorithm of the worker)."""
+def _free_port_blocks(count: int, width: int) -> list[int]:
+    """``count`` ports p with p .. p + width - 1 all free (a block per job: one port for
+    each algorithm the worker runs)."""
     found: list[int] = []
+    taken: set[int] = set()
     while len(found) < count:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        with socket.socket() as s, contextlib.suppress(OSError):
-            if port + 1 < 65536 and port not in found and port + 1 not in found:
-                s.bind(("127.0.0.1", port + 1))
-                found.append(port)
+        block = set(range(port, port + width))
+        if port + width >= 65536 or block & taken:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for q in range(port + 1, port + width):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", q))
+        except OSError:
+            continue
+        found.append(port)
+        taken |= block
     return found
 
 
 def launch(out_dir: Path, modes: dict[int, str]) -> dict[int, int]:
     """Starts one worker per rank in ``modes``; returns their exit codes (killed at the
     deadline: a test never hangs)."""
-    addresses = ",".join(f"127.0.0.1:{p}" for p in _free_port_pairs(worker.REPLICAS))
+    blocks = _free_port_blocks(worker.REPLICAS, len(worker.ALGORITHMS))
+    addresses = ",".join(f"127.0.0.1:{p}" for p in blocks)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     procs = {}
     try:
@@ -90,13 +102,20 @@ def results(tmp_path_factory):
 
 
 def _spmd(name: str, rounds: int = worker.ROUNDS) -> np.ndarray:
-    case = next(c for c in CASES if c.name == name)
-    problem = tb.make_problem(replicas=worker.REPLICAS, examples=2)
+    """The SPMD round engine on a (replica=2, data=2) mesh, the same algorithm and data."""
+    problem = worker.problem()
+    H = tb.REGISTERED_H
+    outer, inner = harness.registered(name, problem, worker.LR, H)
     mesh = co2jax.make_mesh(
         replica=worker.REPLICAS, data=worker.DATA_DEVICES, devices=jax.devices("cpu")[:4]
     )
-    want, *_ = run_engine(case.make(), problem, mesh, rounds=rounds)
-    return want  # [rounds, R, dim]
+    trainer = co2jax.RoundTrainer(engine_loss, inner, outer, mesh, H)
+    state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
+    out = []
+    for _ in range(rounds):
+        state, _ = trainer.round(state, textbook_batch(problem, H))
+        out.append(np.asarray(harness.flatten(jax.device_get(state.params)), np.float64))
+    return np.stack(out)  # [rounds, R, dim]
 
 
 @pytest.mark.parametrize("name", worker.ALGORITHMS)
@@ -104,11 +123,14 @@ def test_jobs_equal_the_spmd_engine(name, results):
     """Two jobs (each its own process and 2-device mesh) exchanging through the transfer
     service follow the SPMD round engine's trajectory, to float32 rounding (the outer step
     runs in a program of its own, so XLA's fusion, and with it FMA contraction, may differ;
-    the mean of two payloads is summed in the same order)."""
+    the mean of two payloads is summed in the same order). Every schedule: synchronous,
+    delayed (sent before the inner steps), per fragment (Streaming DiLoCo) and encoded
+    sparse payloads (SparseLoCo)."""
     want = _spmd(name)
     for rank in range(worker.REPLICAS):
         got = np.load(results / f"{name}_{rank}.npy")
         np.testing.assert_allclose(got, want[:, rank], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(want[-1], worker.problem().theta0)  # the run moved
 
 
 def test_missing_peer_fails_with_a_clear_error(tmp_path):
@@ -118,7 +140,7 @@ def test_missing_peer_fails_with_a_clear_error(tmp_path):
     assert codes == {0: 0}, _logs(tmp_path)
     error = (tmp_path / "error_0.txt").read_text()
     assert "round 0" in error and "1 (127.0.0.1:" in error and "timeout_s=10.0" in error, error
-    problem = tb.make_problem(replicas=worker.REPLICAS, examples=2)
+    problem = worker.problem()
     kept = np.load(tmp_path / "kept_0.npy")
     np.testing.assert_array_equal(kept, problem.theta0.astype(np.float32))
 

@@ -46,7 +46,7 @@ from co2jax.comm.reducer import Encoded, values
 from co2jax.engines.exchange import Exchange, Peers
 from co2jax.engines.round import RoundTrainer, TrainState
 from co2jax.mesh import make_mesh
-from co2jax.protocol import OuterOptimizer, payload_shapes, plan, resolve
+from co2jax.protocol import OuterOptimizer, plan, resolve
 from co2jax.tree import join_chunks, split_chunks, take_chunk
 
 
@@ -163,13 +163,13 @@ class JobTrainer:
         self._idle = (local.outer_state, local.round)
         outer_state = jax.jit(self.outer.init, out_shardings=self._replicated)(params)
         for i in range(len(self.transfers)):  # a replica axis read here has no binding
-            payload = payload_shapes(self.outer, params, outer_state, i)
             try:
                 jax.eval_shape(
-                    lambda p, s, r, i=i: self.outer.apply(p, s, i, r),
+                    lambda p, s, i=i: self.outer.apply(
+                        p, s, i, values(self.outer.send(p, s, i)[0])
+                    ),
                     params,
                     outer_state,
-                    values(payload),
                 )
             except NameError as e:
                 raise ValueError(
