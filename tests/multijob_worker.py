@@ -2,8 +2,8 @@
 
 Usage: ``python multijob_worker.py RANK ADDRESSES OUT_DIR [MODE]`` with ADDRESSES
 comma-separated ``host:port`` of every job's transfer server (each job uses its port and the
-``len(ALGORITHMS) - 1`` after it, one per algorithm). Runs ROUNDS rounds of every algorithm of
-the registry but DDP (which communicates every step, not per round) with
+``len(algorithms()) - 1`` after it, one per algorithm). Runs ROUNDS rounds of every algorithm
+of the registry but DDP (which communicates every step, not per round) with
 :class:`co2jax.JobTrainer` on the textbook problem (this job's replica slice of the data), as
 ``harness.registered`` builds it, and saves every round's parameters as
 ``OUT_DIR/{name}_{RANK}.npy`` ([rounds, dim]). MODE ``die`` makes the job exit after its first
@@ -19,16 +19,15 @@ import sys
 
 REPLICAS, ROUNDS, DATA_DEVICES, DIM = 2, 2, 2, 16
 LR = 0.1
-ALGORITHMS = (
-    "diloco",
-    "local_sgd",
-    "slowmo",
-    "delayed_diloco",
-    "eager_diloco",
-    "co2",
-    "streaming_diloco",
-    "sparseloco",
-)
+
+
+def algorithms() -> tuple[str, ...]:
+    """Every algorithm of the registry that communicates per round (not DDP), DiLoCo first
+    (the one the failure modes run). Imported when called: the worker sets up JAX first."""
+    from co2jax.algorithms import registry
+
+    names = [n for n, e in registry.REGISTRY.items() if not e.capabilities.every_step]
+    return tuple(sorted(names, key=lambda n: n != "diloco"))
 
 
 def problem():
@@ -56,7 +55,7 @@ def main(rank: str, addresses: str, out_dir: str, mode: str = "run") -> None:
     prob = problem()
     batch = {k: v[rank] for k, v in textbook_batch(prob, H).items()}
     mesh = co2jax.make_mesh(replica=1, data=DATA_DEVICES)
-    names = ALGORITHMS[:1] if mode != "run" else ALGORITHMS
+    names = algorithms()[:1] if mode != "run" else algorithms()
     for step, name in enumerate(names):
         # each algorithm gets its own ports: a transfer server lives as long as the process
         ports = [a.rpartition(":") for a in addresses.split(",")]

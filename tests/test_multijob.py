@@ -53,7 +53,7 @@ def _free_port_blocks(count: int, width: int) -> list[int]:
 def launch(out_dir: Path, modes: dict[int, str]) -> dict[int, int]:
     """Starts one worker per rank in ``modes``; returns their exit codes (killed at the
     deadline: a test never hangs)."""
-    blocks = _free_port_blocks(worker.REPLICAS, len(worker.ALGORITHMS))
+    blocks = _free_port_blocks(worker.REPLICAS, len(worker.algorithms()))
     addresses = ",".join(f"127.0.0.1:{p}" for p in blocks)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     procs = {}
@@ -118,7 +118,7 @@ def _spmd(name: str, rounds: int = worker.ROUNDS) -> np.ndarray:
     return np.stack(out)  # [rounds, R, dim]
 
 
-@pytest.mark.parametrize("name", worker.ALGORITHMS)
+@pytest.mark.parametrize("name", worker.algorithms())
 def test_jobs_equal_the_spmd_engine(name, results):
     """Two jobs (each its own process and 2-device mesh) exchanging through the transfer
     service follow the SPMD round engine's trajectory, to float32 rounding (the outer step
@@ -151,7 +151,7 @@ def test_peer_dying_mid_run_fails_the_others_cleanly(tmp_path):
     codes = launch(tmp_path, {0: "wait", 1: "die"})
     assert codes == {0: 0, 1: 3}, _logs(tmp_path)
     assert "round 1" in (tmp_path / "error_0.txt").read_text()
-    want = _spmd(worker.ALGORITHMS[0], rounds=1)
+    want = _spmd(worker.algorithms()[0], rounds=1)
     np.testing.assert_allclose(np.load(tmp_path / "kept_0.npy"), want[0, 0], rtol=1e-6)
 
 
