@@ -243,9 +243,10 @@ def write_report(rows: list[dict], base: config_lib.Config, out: Path, link: Lin
         ("curve_sim_s", "simulated wall clock (s)", "loss_vs_wallclock.png", False),
     ]:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for r in rows:
+        for i, r in enumerate(rows):
             xs = np.maximum(np.asarray(r[key], dtype=float), 1.0) if log else r[key]
-            ax.plot(xs, r["curve_loss"], marker="o", ms=3, label=r["label"])
+            style = "-" if i < 10 else "--"  # the default cycle has 10 colours
+            ax.plot(xs, r["curve_loss"], style, marker="o", ms=3, label=r["label"])
         if rows and rows[0]["entropy"] is not None:
             ax.axhline(rows[0]["entropy"], color="k", ls=":", lw=1, label="entropy floor")
         ax.set_xlabel(xlabel)
