@@ -109,13 +109,16 @@ def local_updates(
     reducer = outer.reducer if reduce is None else as_reducer(reduce)
     inner = optax.with_extra_args_support(inner)
 
-    def transfers(params, outer_state) -> tuple[Transfer, ...]:
+    def payloads(params, outer_state) -> list:
+        return [payload_shapes(outer, params, outer_state, i) for i in range(len(planned))]
+
+    def transfers(payloads: list) -> tuple[Transfer, ...]:
         """The schedule as run: chunked where spread, with plain payloads."""
         if spread is False:
             return planned
         out = []
         for i, (t, cut) in enumerate(zip(planned, spread_schedule(planned), strict=True)):
-            encoded = isinstance(payload_shapes(outer, params, outer_state, i), Encoded)
+            encoded = isinstance(payloads[i], Encoded)
             if encoded and spread and cut.chunks > 1:
                 raise ValueError(
                     f"spread=True: transfer {i}'s payload is sent encoded (error feedback) and "
@@ -126,14 +129,13 @@ def local_updates(
 
     def init(params: optax.Params) -> LocalUpdatesState:
         outer_state = outer.init(params)
-        inflight = []
-        for i, t in enumerate(transfers(params, outer_state)):
-            payload = payload_shapes(outer, params, outer_state, i)
+        inflight, shapes = [], payloads(params, outer_state)
+        for t, payload in zip(transfers(shapes), shapes, strict=True):
             if t.send == t.apply:
                 inflight.append(())
             elif t.chunks == 1:
-                shapes = jax.eval_shape(values, payload)
-                inflight.append(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+                reduced = jax.eval_shape(values, payload)
+                inflight.append(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), reduced))
             else:
                 zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), payload)
                 inflight.append(split_chunks(zeros, t.chunks))
@@ -144,7 +146,8 @@ def local_updates(
         if params is None:
             raise ValueError("local_updates needs params: call update(grads, state, params)")
         k = state.count % H
-        run = transfers(params, state.outer_state)
+        shapes = payloads(params, state.outer_state)
+        run = transfers(shapes)
         outer_state, inflight = state.outer_state, list(state.inflight)
 
         # before the step: sends, then the chunks due now
@@ -163,8 +166,7 @@ def local_updates(
             )
         for i, t in enumerate(run):
             if t.chunks > 1:
-                payload = payload_shapes(outer, params, state.outer_state, i)
-                treedef = jax.tree.structure(payload)
+                treedef = jax.tree.structure(shapes[i])
                 inflight[i] = _reduce_chunk(reducer, t, H, k, inflight[i], treedef)
 
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
@@ -181,8 +183,7 @@ def local_updates(
                 elif t.chunks == 1:
                     reduced = held
                 else:
-                    like = payload_shapes(outer, params, state.outer_state, i)
-                    reduced = join_chunks(held, like)
+                    reduced = join_chunks(held, shapes[i])
                 local, ostate = outer.apply(local, ostate, i, reduced)
                 return local, ostate, held
 
