@@ -223,3 +223,170 @@ def entry_sequence(hlo: str) -> list[str]:
         ):
             out.append(op)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# in flight under compute: reading the schedule
+
+
+class Flight(NamedTuple):
+    """One collective over an axis, as scheduled.
+
+    Attributes:
+      computation: where it is issued.
+      op: the collective (``"all-gather"``, ...).
+      bytes: what one execution moves (its result's bytes).
+      count: executions per run of the program (loop trip counts; a conditional's branch is
+        taken once per run of its loop, as the round engine's per-step branches are).
+      hidden: issued asynchronously, with compute (a loop, a matmul, a custom call)
+        scheduled between its start and its done, or after its start when its done sits in
+        another computation.
+    """
+
+    computation: str
+    op: str
+    bytes: int
+    count: int
+    hidden: bool
+
+
+_LINE = re.compile(
+    r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = .*? (?P<op>[a-z][a-z0-9\-]*)\((?P<args>.*)"
+)
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _computations(hlo: str) -> dict[str, list[tuple[str, str, str]]]:
+    """Computation -> its instructions ``(name, op, line)`` in schedule order."""
+    out: dict[str, list] = {}
+    current = None
+    for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and not line.startswith(" "):
+            current = header.group(1)
+            out[current] = []
+            if line.startswith("ENTRY "):
+                out["__entry__"] = [("", "", current)]
+            continue
+        m = _LINE.match(line)
+        if current is not None and m:
+            out[current].append((m.group("name"), m.group("op"), line))
+    return out
+
+
+def _trips(comps: dict, line: str) -> int:
+    """A while loop's trip count, from ``known_trip_count`` or its ``counter < N`` condition
+    (1 when neither can be read)."""
+    m = _TRIPS.search(line)
+    if m:
+        return int(m.group(1))
+    cond = re.search(r"condition=%([\w.\-]+)", line)
+    instrs = comps.get(cond.group(1), ()) if cond else ()
+    constants = {
+        n: int(v.group(1))
+        for n, op, ln in instrs
+        if op == "constant" and (v := re.search(r"constant\((\d+)\)", ln))
+    }
+    for _, op, ln in instrs:
+        if op == "compare" and "direction=LT" in ln:
+            for operand in re.findall(r"%([\w.\-]+)", ln.split("compare(", 1)[1]):
+                if operand in constants:
+                    return constants[operand]
+    return 1
+
+
+def _counts(comps: dict) -> dict[str, int]:
+    """Executions of each computation per run of the program."""
+    entry = comps["__entry__"][0][2]
+    counts, stack = {entry: 1}, [entry]
+    while stack:
+        name = stack.pop()
+        for _, op, line in comps.get(name, ()):
+            trips = _trips(comps, line) if op == "while" else 1
+            for kind, target in _CALLEE.findall(line):
+                for callee in re.findall(r"%([\w.\-]+)", target):
+                    n = counts[name] * (trips if kind == "body" else 1)
+                    if callee not in counts or counts[callee] < n:
+                        counts[callee] = n
+                        stack.append(callee)
+    return counts
+
+
+def _is_compute(op: str, line: str, comps: dict) -> bool:
+    if op in ("while", "convolution", "dot", "call"):
+        return True
+    if op == "custom-call":
+        return "AllocateBuffer" not in line
+    if op == "fusion":
+        callee = re.search(r"calls=%([\w.\-]+)", line)
+        body = comps.get(callee.group(1), ()) if callee else ()
+        return any(o in ("convolution", "dot", "custom-call") for _, o, _ in body)
+    return False
+
+
+def flights(hlo: str, mesh, axis: str) -> list[Flight]:
+    """Every collective over ``axis`` of ``mesh`` in the compiled ``hlo``, as scheduled."""
+    want = axis_groups(mesh, axis)
+    comps = _computations(hlo)
+    counts = _counts(comps)
+    members = {d: g for g in want for d in g}
+
+    def spans(c: Collective) -> bool:
+        if c.op == "collective-permute":  # source/target pairs, each inside one axis group
+            return bool(c.groups) and all(
+                len(p) == 2 and p[0] != p[1] and members.get(p[0]) == members.get(p[1]) is not None
+                for p in c.groups
+            )
+        return frozenset(tuple(sorted(g)) for g in c.groups) == want
+
+    by_computation: dict[str, list[Collective]] = {}
+    for c in collectives(hlo):
+        by_computation.setdefault(c.computation, []).append(c)
+    async_bodies = {  # the computations an asynchronous collective fusion wraps
+        m.group(1)
+        for instrs in comps.values()
+        for iname, op, line in instrs
+        if iname.startswith("async-collective-") and (m := re.search(r"calls=%([\w.\-]+)", line))
+    }
+    out = []
+    for name, instrs in comps.items():
+        # an asynchronous collective's start stands for it; XLA:TPU also fuses its steps into
+        # compute fusions (async_collective_fusion computations): the same collective again
+        if (
+            name == "__entry__"
+            or name in async_bodies
+            or name.startswith("async_collective_fusion")
+        ):
+            continue
+        for i, (iname, op, line) in enumerate(instrs):
+            found = None
+            if op in _COLLECTIVE_OPS or (op.endswith("-start") and op[:-6] in _COLLECTIVE_OPS):
+                found = [c for c in collectives(line) if spans(c)]
+            elif op == "fusion" and iname.startswith("async-collective-start"):
+                callee = re.search(r"calls=%([\w.\-]+)", line).group(1)
+                found = [c for c in by_computation.get(callee, ()) if spans(c)]
+            if not found:
+                continue
+            hidden = False
+            if op.endswith("-start") or op == "fusion":
+                done = next(
+                    (
+                        j
+                        for j in range(i + 1, len(instrs))
+                        if (instrs[j][1].endswith("-done") and f"%{iname}" in instrs[j][2])
+                        or instrs[j][0].startswith("async-collective-done")
+                    ),
+                    len(instrs),
+                )
+                hidden = any(_is_compute(o, ln, comps) for _, o, ln in instrs[i + 1 : done])
+            for c in found:
+                out.append(Flight(name, c.op, c.bytes, counts.get(name, 1), hidden))
+    return out
+
+
+def hidden_fraction(hlo: str, mesh, axis: str) -> float:
+    """The fraction of the bytes moved over ``axis`` (each collective weighted by its
+    executions) in flight under compute; 1.0 when nothing crosses the axis."""
+    found = flights(hlo, mesh, axis)
+    total = sum(f.bytes * f.count for f in found)
+    return 1.0 if not total else sum(f.bytes * f.count for f in found if f.hidden) / total

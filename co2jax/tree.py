@@ -1,4 +1,4 @@
-"""Pytree helpers shared by every layer: arithmetic, flattening, varying-axis groups, chunks.
+"""Pytree helpers shared by every layer: arithmetic, flattening, varying-axis groups.
 
 Nothing here communicates. :func:`varying_groups` matters inside ``jax.shard_map``: there a
 data shard of one leaf may sit beside a whole leaf (the round engine's sharded outer state),
@@ -87,47 +87,4 @@ def by_varying_axes(tree: Any, fn: Callable[[list], list]) -> Any:
     for group in varying_groups(leaves):
         for i, y in zip(group, fn([leaves[i] for i in group]), strict=True):
             out[i] = y
-    return jax.tree.unflatten(treedef, out)
-
-
-# ---------------------------------------------------------------------------------------------
-# chunks: a payload cut into K pieces, every leaf contributing 1/K of its elements to each
-
-
-def chunk_size(n: int, chunks: int) -> int:
-    return -(-n // chunks)
-
-
-def split_chunks(tree: Any, chunks: int) -> list[jax.Array]:
-    """Each leaf flattened, zero-padded to ``chunks * size`` and shaped ``[chunks, size]``
-    (``size = ceil(n / chunks)``): chunk c of the tree is row c of every leaf."""
-    out = []
-    for x in jax.tree.leaves(tree):
-        size = chunk_size(x.size, chunks)
-        out.append(jnp.pad(x.reshape(-1), (0, chunks * size - x.size)).reshape(chunks, size))
-    return out
-
-
-def take_chunk(buffer: list[jax.Array], c: Any, treedef: Any) -> Any:
-    """Chunk ``c`` (a Python int or a traced index) of a :func:`split_chunks` buffer, as a
-    tree of 1-D pieces with ``treedef``."""
-    pieces = [jax.lax.dynamic_index_in_dim(b, c, keepdims=False) for b in buffer]
-    return jax.tree.unflatten(treedef, pieces)
-
-
-def put_chunk(buffer: list[jax.Array], c: Any, pieces: Any) -> list[jax.Array]:
-    """The buffer with chunk ``c`` replaced by ``pieces`` (a tree of 1-D pieces)."""
-    return [
-        jax.lax.dynamic_update_index_in_dim(b, p.astype(b.dtype), c, 0)
-        for b, p in zip(buffer, jax.tree.leaves(pieces), strict=True)
-    ]
-
-
-def join_chunks(buffer: list[jax.Array], like: Any) -> Any:
-    """The inverse of :func:`split_chunks`: a tree shaped (and typed) like ``like``."""
-    leaves, treedef = jax.tree.flatten(like)
-    out = [
-        b.reshape(-1)[: math.prod(x.shape)].reshape(x.shape).astype(x.dtype)
-        for b, x in zip(buffer, leaves, strict=True)
-    ]
     return jax.tree.unflatten(treedef, out)

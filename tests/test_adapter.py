@@ -13,7 +13,7 @@ from flax import nnx
 from test_algorithms import CASES, IDS
 
 import co2jax
-from co2jax.tree import join_chunks
+from co2jax.comm import chunks
 
 LR, H, ROUNDS = 0.05, 3, 4
 TOL = harness.TOL[jnp.dtype(jnp.float32)]
@@ -168,7 +168,8 @@ def test_spread_equals_unspread(case, sync_every, problem):
                 expected = jax.vmap(outer.reduce, axis_name="replica")(payload)
             params, state = step(params, state, d, c)
             if spread and i == 3 * sync_every - 1:  # what the sync of round 2 applied
-                reduced = jax.vmap(join_chunks)(state.inflight[0], payload)
+                plan = chunks.plan(jax.tree.map(lambda x: x[0], payload), outer.reducer, sync_every)
+                reduced = jax.vmap(lambda w, p=plan: chunks.finish(p, w))(state.inflight[0]["wire"])
         runs.append(np.asarray(harness.flatten(params)))
     # the assembled reduction is exactly the unchunked one
     for a, b in zip(jax.tree.leaves(reduced), jax.tree.leaves(expected), strict=True):

@@ -7,7 +7,7 @@
 - :mod:`co2jax.comm.policy`: where a reducer is chosen.
 """
 
-from co2jax.comm import policy
+from co2jax.comm import chunks, policy
 from co2jax.comm.codecs import (
     FORMATS,
     Codec,
@@ -49,6 +49,7 @@ __all__ = [
     "all_reduce_compressed",
     "as_reducer",
     "bf16",
+    "chunks",
     "exact_mean",
     "fp4",
     "fp8",

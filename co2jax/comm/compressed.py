@@ -14,7 +14,6 @@ inside ``shard_map`` a data shard never shares a quantization block with a whole
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +38,12 @@ class _Coded(Grouped):
 
     codec: Codec | None = None
 
-    def combine(self, data):
-        vectors = []
-        for group, enc in zip(self.groups, data, strict=True):
-            n = sum(math.prod(self.shapes[i]) for i in group)
-            vectors.append(self.codec.mean_of(enc, n))
-        return self.assemble(vectors)
+    @property
+    def per_unit(self) -> int:
+        return self.codec.block or 1
+
+    def mean(self, data, sizes):
+        return [self.codec.mean_of(enc, n) for enc, n in zip(data, sizes, strict=True)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +52,9 @@ class _Sparse(_Coded):
 
     chunk: int = 1
 
-    def combine(self, data):
+    def mean(self, data, sizes):
         vectors = []
-        for group, enc in zip(self.groups, data, strict=True):
-            n = sum(math.prod(self.shapes[i]) for i in group)
+        for enc, n in zip(data, sizes, strict=True):
             total = jnp.zeros((n,), jnp.float32)
             count = jnp.zeros((n,), jnp.float32)
             for r in range(jax.tree.leaves(enc)[0].shape[0]):
@@ -64,7 +62,7 @@ class _Sparse(_Coded):
                 total = total + self.codec.decode(one, n)
                 count = count + support(one, self.chunk, n)
             vectors.append(total / jnp.maximum(count, 1.0))
-        return self.assemble(vectors)
+        return vectors
 
 
 def _gathered(name: str, codec: Codec, axis_name: str, form_type, **extra) -> Reducer:

@@ -132,6 +132,21 @@ class Grouped:
     def fields(self) -> tuple:
         return self.treedef, self.shapes, self.dtypes, self.groups
 
+    def sizes(self) -> list[int]:
+        """Elements of each group."""
+        return [sum(math.prod(self.shapes[i]) for i in g) for g in self.groups]
+
+    per_unit = 1
+    """Elements per leading-axis unit of a group's wire arrays (a codec's block)."""
+
+    def mean(self, data, sizes: list[int]) -> list[jax.Array]:
+        """Per group, the float32 mean of R wire forms stacked on a leading axis, as a vector
+        of ``sizes[g]`` elements (a group's whole, or the units of one chunk of it)."""
+        raise NotImplementedError(f"{type(self).__name__} has no per-group mean")
+
+    def combine(self, data) -> Any:
+        return self.assemble(self.mean(data, self.sizes()))
+
     def assemble(self, vectors: list[jax.Array]) -> Any:
         """The tree from one float32 vector per group (cast to the leaves' dtypes)."""
         leaves: list[Any] = [None] * len(self.shapes)
@@ -150,8 +165,10 @@ class Grouped:
 class _Flat(Grouped):
     """Each group as one vector of its leaves' common dtype; combined by a float32 mean."""
 
-    def combine(self, data):
-        return self.assemble([jnp.mean(v.astype(jnp.float32), axis=0) for v in data])
+    def mean(self, data, sizes):
+        return [
+            jnp.mean(v.astype(jnp.float32), axis=0)[:n] for v, n in zip(data, sizes, strict=True)
+        ]
 
 
 def _flat_encode(payload: Payload) -> Encoded:

@@ -10,10 +10,10 @@ import numpy as np
 import optax
 
 from co2jax._checks import check_int, check_transform
-from co2jax.comm.reducer import Encoded, Reducer, as_reducer, values
+from co2jax.comm import chunks
+from co2jax.comm.reducer import Reducer, as_reducer, values
 from co2jax.protocol import OuterOptimizer, Transfer, chunk_steps, payload_shapes, resolve
 from co2jax.protocol import spread as spread_schedule
-from co2jax.tree import join_chunks, put_chunk, split_chunks, take_chunk
 
 
 class LocalUpdatesState(NamedTuple):
@@ -62,21 +62,22 @@ def local_updates(
     replica axis sharded over ``"replica"``).
 
     **Spreading a transfer over the steps it spans** (``spread``). A delayed algorithm sends
-    at step 0 a payload it applies at the end of the round. With ``spread=True`` (the default
-    wherever the payload is plain arrays) it is cut into a chunk per step, and step k reduces
+    at step 0 a payload it applies at the end of the round. With ``spread=True`` (the
+    default) it is cut into a chunk per step, and step k reduces
     chunk k, independent of that step's forward and backward pass, so each step's program can
     hide its small collective behind its compute: the same bytes, 1/H of the peak bandwidth.
     An exact mean is element-wise, so the assembled values equal the unchunked reduction
-    exactly. Costs one payload-sized buffer. On TPU pass a reduction that the compiler
-    overlaps, ``reduce=co2jax.comm.all_gather_mean()`` (see docs/overlap.md). A payload sent
-    encoded (error feedback) is reduced whole.
+    exactly, and so do the blocks of a compressed payload, which chunks never split
+    (:mod:`co2jax.comm.chunks`). Costs one payload-sized buffer (two for a payload error
+    feedback sends encoded). On TPU pass a reduction that the compiler overlaps,
+    ``reduce=co2jax.comm.all_gather_mean()`` (see docs/overlap.md).
 
     Args:
       inner: the inner optax transform (e.g. AdamW).
       outer: an :class:`~co2jax.OuterOptimizer`.
       sync_every: H, inner steps per round (>= 1).
-      spread: cut every transfer sent before its apply step into a chunk per step; default:
-        wherever its payload is not already encoded. ``True`` needs such a transfer.
+      spread: cut every transfer sent before its apply step into a chunk per step (the
+        default). ``True`` needs such a transfer.
       reduce: the reduction to use (default: ``outer.reducer``).
 
     Returns:
@@ -112,33 +113,22 @@ def local_updates(
     def payloads(params, outer_state) -> list:
         return [payload_shapes(outer, params, outer_state, i) for i in range(len(planned))]
 
-    def transfers(payloads: list) -> tuple[Transfer, ...]:
-        """The schedule as run: chunked where spread, with plain payloads."""
-        if spread is False:
-            return planned
-        out = []
-        for i, (t, cut) in enumerate(zip(planned, spread_schedule(planned), strict=True)):
-            encoded = isinstance(payloads[i], Encoded)
-            if encoded and spread and cut.chunks > 1:
-                raise ValueError(
-                    f"spread=True: transfer {i}'s payload is sent encoded (error feedback) and "
-                    "cannot be cut into chunks; pass spread=False"
-                )
-            out.append(t if encoded else cut)
-        return tuple(out)
+    run = planned if spread is False else spread_schedule(planned)  # the schedule as run
 
     def init(params: optax.Params) -> LocalUpdatesState:
         outer_state = outer.init(params)
         inflight, shapes = [], payloads(params, outer_state)
-        for t, payload in zip(transfers(shapes), shapes, strict=True):
+        for t, payload in zip(run, shapes, strict=True):
             if t.send == t.apply:
                 inflight.append(())
             elif t.chunks == 1:
                 reduced = jax.eval_shape(values, payload)
                 inflight.append(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), reduced))
             else:
+                plan = chunks.plan(payload, reducer, t.chunks)
                 zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), payload)
-                inflight.append(split_chunks(zeros, t.chunks))
+                acc = chunks.zeros(plan) if plan.encoded else None
+                inflight.append({"wire": chunks.split(plan, zeros), "acc": acc})
         count = jnp.zeros([], jnp.int32)
         return LocalUpdatesState(inner.init(params), outer_state, count, tuple(inflight))
 
@@ -147,7 +137,6 @@ def local_updates(
             raise ValueError("local_updates needs params: call update(grads, state, params)")
         k = state.count % H
         shapes = payloads(params, state.outer_state)
-        run = transfers(shapes)
         outer_state, inflight = state.outer_state, list(state.inflight)
 
         # before the step: sends, then the chunks due now
@@ -159,15 +148,16 @@ def local_updates(
                 payload, ostate = outer.send(params, carry[0], i)
                 if t.chunks == 1:
                     return ostate, _typed_like(values(reducer(payload)), carry[1])
-                return ostate, split_chunks(payload, t.chunks)
+                wire = chunks.split(chunks.plan(payload, reducer, t.chunks), payload)
+                return ostate, {**carry[1], "wire": wire}
 
             outer_state, inflight[i] = jax.lax.cond(
                 k == t.send, send, lambda carry: carry, (outer_state, inflight[i])
             )
         for i, t in enumerate(run):
             if t.chunks > 1:
-                treedef = jax.tree.structure(shapes[i])
-                inflight[i] = _reduce_chunk(reducer, t, H, k, inflight[i], treedef)
+                plan = chunks.plan(shapes[i], reducer, t.chunks)
+                inflight[i] = _reduce_chunk(reducer, t, H, k, inflight[i], plan)
 
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
         local = optax.apply_updates(params, updates)
@@ -183,7 +173,8 @@ def local_updates(
                 elif t.chunks == 1:
                     reduced = held
                 else:
-                    reduced = join_chunks(held, shapes[i])
+                    plan = chunks.plan(shapes[i], reducer, t.chunks)
+                    reduced = chunks.finish(plan, held["acc"] if plan.encoded else held["wire"])
                 local, ostate = outer.apply(local, ostate, i, reduced)
                 return local, ostate, held
 
@@ -204,17 +195,20 @@ def _typed_like(new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(True, n.astype(o.dtype), o), new, old)
 
 
-def _reduce_chunk(reducer, t: Transfer, H: int, k, buffer, treedef):
-    """Reduces the chunk of ``t`` due at step ``k`` (if any) in place in ``buffer``."""
+def _reduce_chunk(reducer, t: Transfer, H: int, k, held: dict, plan):
+    """Reduces the chunk of ``t`` due at step ``k`` (if any): a plain payload's chunk in place
+    of its wire chunk, an encoded one's into ``acc``."""
 
-    def reduce(buffer, c):
-        piece = values(reducer(take_chunk(buffer, c, treedef)))
-        return put_chunk(buffer, c, piece)
+    def reduce(held, c):
+        reduced = chunks.reduce(plan, reducer, chunks.take(held["wire"], c))
+        if plan.encoded:
+            return {**held, "acc": chunks.put(held["acc"], c, reduced)}
+        return {**held, "wire": chunks.put(held["wire"], c, reduced)}
 
     steps = chunk_steps(t)
     if steps == list(range(H)):  # a chunk every step: no branch, each step's collective
-        return reduce(buffer, k)  # is independent of that step's gradients
+        return reduce(held, k)  # is independent of that step's gradients
     table = np.full(H, -1, np.int32)
     table[steps] = np.arange(t.chunks)
     c = jnp.asarray(table)[k]
-    return jax.lax.cond(c >= 0, lambda b: reduce(b, jnp.maximum(c, 0)), lambda b: b, buffer)
+    return jax.lax.cond(c >= 0, lambda h: reduce(h, jnp.maximum(c, 0)), lambda h: h, held)

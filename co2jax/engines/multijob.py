@@ -42,12 +42,12 @@ import optax
 
 from co2jax.algorithms.data_parallel import no_sync
 from co2jax.axes import REPLICA
+from co2jax.comm import chunks
 from co2jax.comm.reducer import Encoded, values
 from co2jax.engines.exchange import Exchange, Peers
 from co2jax.engines.round import RoundTrainer, TrainState
 from co2jax.mesh import make_mesh
 from co2jax.protocol import OuterOptimizer, plan, resolve
-from co2jax.tree import join_chunks, split_chunks, take_chunk
 
 
 class JobState(NamedTuple):
@@ -148,14 +148,20 @@ class JobTrainer:
             payload = self.outer.reducer.encode(payload)
         return payload, outer_state
 
+    def _plan(self, payload, i):
+        return chunks.plan(payload, self.outer.reducer, self.transfers[i].chunks)
+
     def _encoded_chunk(self, payload, i, c):
-        chunks = self.transfers[i].chunks
-        piece = take_chunk(split_chunks(payload, chunks), c, jax.tree.structure(payload))
-        return self.outer.reducer.encode(piece)
+        plan = self._plan(payload, i)
+        piece = chunks.as_payload(plan, chunks.take(chunks.split(plan, payload), c))
+        return piece if isinstance(piece, Encoded) else self.outer.reducer.encode(piece)
 
     def _join_chunks(self, pieces, payload, i):
-        stacked = [jnp.stack(col) for col in zip(*pieces, strict=True)]
-        return join_chunks(stacked, payload)
+        plan = self._plan(payload, i)
+        acc = chunks.zeros(plan)
+        for c, vectors in enumerate(pieces):
+            acc = chunks.put(acc, c, vectors)
+        return chunks.finish(plan, acc)
 
     def init(self, params: Any) -> JobState:
         """The job's state from the (same on every job) initial parameters."""
@@ -222,7 +228,7 @@ class JobTrainer:
                     reduced = [self._finish(p) for p in pending]
                     wait += time.perf_counter() - t0
                     if self.transfers[a.transfer].chunks > 1:
-                        pieces = [jax.tree.leaves(values(r)) for r in reduced]
+                        pieces = [list(r) for r in reduced]
                         reduced = [self._join(pieces, payload, a.transfer)]
                     params, outer_state = self._apply(params, outer_state, a.transfer, reduced[0])
                     params = jax.tree.map(

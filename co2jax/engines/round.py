@@ -1,13 +1,14 @@
 """The round engine: H inner steps and the outer communication of every replica as one program.
 
 One call of :meth:`RoundTrainer.round` runs, on every device of a ``(replica, data, model)``
-mesh (``jax.shard_map``), the H inner steps as a few ``lax.scan`` segments (never unrolled):
-gradients averaged over ``data`` inside the replica, nothing over ``replica``. Between the
-segments it runs the outer optimizer's schedule (:func:`co2jax.protocol.plan`): each transfer
-is sent at its step, its reduction issued there (in chunks, when it has them) and applied at
-its apply step. A delayed algorithm's payload is sent before the first step and applied after
-the last, with no data dependence either way, so the compiler may run its reduction
-concurrently with the loop; Streaming DiLoCo's fragments each have ``tau`` steps.
+mesh (``jax.shard_map``), the H inner steps as one ``lax.scan`` (never unrolled): gradients
+averaged over ``data`` inside the replica, nothing over ``replica``. The outer optimizer's
+schedule (:func:`co2jax.protocol.plan`) runs where its steps fall
+(:mod:`co2jax.engines.execute`): a delayed algorithm's payload is sent before the loop and
+applied after it, with no data dependence either way, so the compiler may run its reduction
+concurrently with the loop; a transfer in chunks reduces chunk k inside iteration k, under
+that step's compute; Streaming DiLoCo's fragments are sent and merged inside the iterations
+their steps fall in.
 
 Per-replica state carries an explicit leading replica axis sharded over ``replica``
 (parameters that entered replica-invariant would silently become data-parallel). With
@@ -41,13 +42,12 @@ from jax.sharding import PartitionSpec as P
 
 from co2jax._checks import check_transform
 from co2jax.axes import DATA, REPLICA
-from co2jax.comm import policy
+from co2jax.comm import chunks, policy
 from co2jax.comm.reducer import values
-from co2jax.engines.segments import Event, scan_segments
+from co2jax.engines.execute import Carry, RoundSchedule
 from co2jax.engines.sharding import Layout
 from co2jax.kernels.api import target_backend
-from co2jax.protocol import OuterOptimizer, plan, resolve
-from co2jax.tree import chunk_size, join_chunks, split_chunks, take_chunk
+from co2jax.protocol import OuterOptimizer, resolve
 
 REDUCER_CHOICES = policy.CHOICES
 
@@ -67,13 +67,6 @@ class TrainState(NamedTuple):
     inner_state: optax.OptState
     outer_state: Any
     round: jax.Array
-
-
-class _Carry(NamedTuple):
-    params: optax.Params
-    inner_state: optax.OptState
-    outer_state: Any
-    sums: jax.Array  # per round: sum over transfers of |payload|^2, and of their cosines
 
 
 class RoundMetrics(NamedTuple):
@@ -257,59 +250,6 @@ class RoundTrainer:
         self.reducer_kind = kinds.pop() if len(kinds) == 1 else "/".join(k for k, _ in chosen)
         return tuple(r for _, r in chosen)
 
-    def round_events(self, payload_shapes: list, reducers: tuple) -> list[Event]:
-        """The round's communication (:func:`co2jax.protocol.plan`) as segment events."""
-        outer, layout = self.outer, self.layout
-
-        def send(c: _Carry, i: int):
-            payload, state = outer.send(layout.shard(c.params), c.outer_state, i)
-            return c._replace(outer_state=state), payload
-
-        def finish(c: _Carry, i: int, payload, reduced) -> _Carry:
-            shards, state = outer.apply(layout.shard(c.params), c.outer_state, i, reduced)
-            pairs = zip(
-                jax.tree.leaves(values(payload)),
-                jax.tree.leaves(values(reduced)),
-                jax.tree.leaves(payload_shapes[i]),
-                strict=True,
-            )
-            pp, rr, pr = layout.sums(list(pairs))
-            ok = pp * rr > 0
-            cosine = jnp.where(ok, pr / jnp.sqrt(jnp.where(ok, pp * rr, 1.0)), 0.0)
-            return c._replace(
-                params=layout.unshard(shards, c.params),
-                outer_state=layout.data_invariant(state, c.outer_state),
-                sums=c.sums + jnp.stack([pp, cosine]),
-            )
-
-        def act(a, c: _Carry, store: dict) -> _Carry:
-            i, t, reduce = a.transfer, self.transfers[a.transfer], reducers[a.transfer]
-            if a.kind == "sync":
-                c, payload = send(c, i)
-                return finish(c, i, payload, reduce(payload))
-            if a.kind == "send":
-                c, payload = send(c, i)
-                store[i] = {"payload": payload}
-                if t.chunks == 1:
-                    store[i]["reduced"] = reduce(payload)
-                    return c
-                store[i]["buffer"] = split_chunks(payload, t.chunks)
-                store[i]["pieces"] = []
-            pending = store[i]
-            if a.kind in ("send", "chunk"):
-                treedef = jax.tree.structure(pending["payload"])
-                piece = take_chunk(pending["buffer"], a.chunk, treedef)
-                pending["pieces"].append(jax.tree.leaves(reduce(piece)))
-                return c
-            del store[i]  # apply
-            reduced = pending.get("reduced")
-            if reduced is None:
-                stacked = [jnp.stack(col) for col in zip(*pending["pieces"], strict=True)]
-                reduced = join_chunks(stacked, pending["payload"])
-            return finish(c, i, pending["payload"], reduced)
-
-        return [Event(a.at, lambda c, store, a=a: act(a, c, store)) for a in plan(self.transfers)]
-
     def _wire_bytes(self, payload_shapes: list, reducers: tuple) -> float:
         """Bytes one replica sends per round: every transfer (every chunk) by its reducer."""
         total = 0.0
@@ -317,10 +257,11 @@ class RoundTrainer:
             if t.chunks == 1:
                 total += reducer.wire_bytes(shapes, self.replicas)
                 continue
-            piece = jax.tree.map(
-                lambda x, k=t.chunks: jax.ShapeDtypeStruct((chunk_size(x.size, k),), x.dtype),
-                shapes,
-            )
+            plan = chunks.plan(shapes, reducer, t.chunks)
+            piece = [
+                jax.ShapeDtypeStruct((plan.elements(g),), plan.dtypes[g])
+                for g in range(len(plan.units))
+            ]
             total += t.chunks * reducer.wire_bytes(piece, self.replicas)
         return total
 
@@ -331,8 +272,16 @@ class RoundTrainer:
         squeeze = lambda t: jax.tree.map(lambda x: x[0], t)
         params, inner, outer, rnd, batch = map(squeeze, (params, inner, outer, rnd, batch))
         layout = self.layout
+        schedule = RoundSchedule(
+            self.outer, self.transfers, reducers, layout, self.sync_every, payload_shapes
+        )
+        inflight = ((),) * len(self.transfers)
+        carry = Carry(params, inner, outer, jnp.zeros((len(self.transfers), 3)), inflight)
+        carry, store, plans = schedule.before(carry)
 
-        def step(c: _Carry, b) -> tuple[_Carry, jax.Array]:
+        def step(c: Carry, xs) -> tuple[Carry, jax.Array]:
+            b, k = xs
+            c = schedule.in_step(k, c, plans)
             # gradients are averaged over the data shards explicitly; nothing crosses
             # "replica" here
             full = layout.gather_params(c.params, param_shapes)
@@ -340,19 +289,15 @@ class RoundTrainer:
             grads = layout.reduce_grads(grads, param_shapes, c.params)
             updates, inner_state = self.inner.update(grads, c.inner_state, c.params)
             p = optax.apply_updates(c.params, updates)
-            return c._replace(params=p, inner_state=inner_state), jax.lax.pmean(loss, DATA)
+            c = schedule.after_step(k, c._replace(params=p, inner_state=inner_state), plans)
+            return c, jax.lax.pmean(loss, DATA)
 
-        carry = _Carry(params, inner, outer, jnp.zeros(2, jnp.float32))
-        events = self.round_events(payload_shapes, reducers)
-        carry, losses = scan_segments(step, carry, batch, events)
-        count = max(1, len(self.transfers))
+        steps = jnp.arange(self.sync_every, dtype=jnp.int32)
+        carry, losses = jax.lax.scan(step, carry, (batch, steps))
+        carry = schedule.after(carry, store, plans)
+        norm, cosine = schedule.metrics(carry)
         nbytes = self._wire_bytes(payload_shapes, reducers)
-        metrics = RoundMetrics(
-            losses,
-            jnp.sqrt(carry.sums[0]),
-            carry.sums[1] / count,
-            jnp.asarray(nbytes, jnp.float32),
-        )
+        metrics = RoundMetrics(losses, norm, cosine, jnp.asarray(nbytes, jnp.float32))
         out = (carry.params, carry.inner_state, carry.outer_state, rnd + 1)
         return jax.tree.map(lambda x: x[None], (*out, metrics))
 

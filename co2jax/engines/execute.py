@@ -1,0 +1,251 @@
+"""An outer optimizer's schedule run inside one round program: before, in and after the loop.
+
+The inner steps of a round are one ``lax.scan``. Each transfer of the schedule
+(:func:`co2jax.protocol.plan`) is run where its steps fall:
+
+- sent at step 0 and applied after the last step in one piece (a delayed algorithm,
+  unspread): its reduction is issued before the loop and consumed after it;
+- sent and applied after the last step (a synchronous algorithm): after the loop;
+- anything else (a transfer in chunks, or sent or applied during the round, as Streaming
+  DiLoCo's fragments): its payload goes into the loop's carry, cut into chunks
+  (:mod:`co2jax.comm.chunks`); iteration k reduces the chunk due at step k, independent of
+  that step's forward and backward pass, so the compiler can run the collective under the
+  step's compute; the transfer is sent and applied inside the iteration its steps fall in
+  (``lax.cond`` on the step index), or before and after the loop at steps 0 and H.
+
+Chunks are cut on the payload's wire form, so a transfer in chunks reduces to exactly the
+values of its whole reduction (:mod:`co2jax.comm.chunks`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from co2jax.axes import DATA, REPLICA
+from co2jax.comm import chunks
+from co2jax.comm.reducer import values
+from co2jax.protocol import OuterOptimizer, Transfer, chunk_steps
+from co2jax.tree import varying_axes
+
+
+class Carry(NamedTuple):
+    params: Any
+    inner_state: Any
+    outer_state: Any
+    sums: jax.Array  # [transfers, 3]: |payload|^2, |reduced|^2, <payload, reduced> this round
+    inflight: tuple  # per transfer: its chunk buffers in the loop, or ()
+
+
+def _cosine(sums: jax.Array) -> jax.Array:
+    pp, rr, pr = sums[..., 0], sums[..., 1], sums[..., 2]
+    ok = pp * rr > 0
+    return jnp.where(ok, pr / jnp.sqrt(jnp.where(ok, pp * rr, 1.0)), 0.0)
+
+
+def _like(zeros: Any, ref: Any) -> Any:
+    """``zeros`` typed as varying over the mesh axes ``ref`` varies over (a scan carry and a
+    ``lax.cond`` branch keep their types)."""
+
+    def leaf(z, r):
+        axes = varying_axes(r)
+        missing = tuple(sorted((axes or frozenset()) - (varying_axes(z) or frozenset())))
+        return jax.lax.pcast(z, missing, to="varying") if missing else z
+
+    return jax.tree.map(leaf, zeros, ref)
+
+
+class RoundSchedule:
+    """The schedule of ``outer`` for rounds of ``steps`` inner steps, one reducer per transfer.
+
+    ``payload_shapes``: per transfer, the (whole-parameter) shapes of its payload's values,
+    for the metrics of a split outer state; ``layout``: the engine's
+    :class:`~co2jax.engines.sharding.Layout`.
+    """
+
+    def __init__(
+        self,
+        outer: OuterOptimizer,
+        transfers: tuple[Transfer, ...],
+        reducers: tuple,
+        layout,
+        steps: int,
+        payload_shapes: list,
+    ):
+        self.outer, self.transfers, self.reducers = outer, transfers, reducers
+        self.layout, self.steps, self.payload_shapes = layout, steps, payload_shapes
+        H = steps
+        self.carried = tuple(
+            not ((t.send in (0, H) and t.apply == H and t.chunks == 1) or (t.send == t.apply))
+            for t in transfers
+        )
+
+    # --------------------------------------------------------------------------------------
+
+    def _send(self, c: Carry, i: int):
+        payload, state = self.outer.send(self.layout.shard(c.params), c.outer_state, i)
+        return c._replace(outer_state=state), payload
+
+    def _apply(self, c: Carry, i: int, reduced) -> Carry:
+        shards, state = self.outer.apply(self.layout.shard(c.params), c.outer_state, i, reduced)
+        return c._replace(
+            params=self.layout.unshard(shards, c.params),
+            outer_state=self.layout.data_invariant(state, c.outer_state),
+        )
+
+    def _add(self, c: Carry, i: int, triple: jax.Array) -> Carry:
+        return c._replace(sums=c.sums.at[i].add(triple))
+
+    def _whole_stats(self, i: int, payload, reduced) -> jax.Array:
+        pairs = zip(
+            jax.tree.leaves(values(payload)),
+            jax.tree.leaves(values(reduced)),
+            jax.tree.leaves(self.payload_shapes[i]),
+            strict=True,
+        )
+        return self.layout.sums(list(pairs))
+
+    def _piece_stats(self, i: int, plan, piece, reduced) -> jax.Array:
+        """The statistics of one chunk: a group holding a data shard is summed over data."""
+        full = jax.tree.leaves(self.payload_shapes[i])
+        split, whole = [], jnp.zeros(3, jnp.float32)
+        for g, (p, r) in enumerate(zip(chunks.values(plan, piece), reduced, strict=True)):
+            p, r = p.astype(jnp.float32), r.astype(jnp.float32)
+            s = jnp.stack([jnp.sum(p * p), jnp.sum(r * r), jnp.sum(p * r)])
+            leaves = plan.form.groups[g]
+            if any(plan.form.shapes[j] != tuple(full[j].shape) for j in leaves):
+                split.append(s)
+            else:
+                whole = whole + s
+        if not split:
+            return whole
+        return jax.lax.psum(sum(split), DATA) + whole
+
+    # buffers of a transfer in chunks: {"wire": chunk buffer, "acc": reduced chunks or None
+    # (a plain payload's reduced chunk replaces its own wire chunk)}
+
+    def _fill(self, plan, payload) -> dict:
+        wire = chunks.split(plan, payload)
+        if not plan.encoded:
+            return {"wire": wire, "acc": None}
+        # typed as the group's wire arrays: what a reduced chunk of them varies over
+        refs = [jax.tree.leaves(w)[0] for w in wire]
+        return {"wire": wire, "acc": _like(chunks.zeros(plan), refs)}
+
+    def _reduce_chunk(self, c: Carry, i: int, plan, chunk) -> Carry:
+        held = c.inflight[i]
+        piece = chunks.take(held["wire"], chunk)
+        reduced = chunks.reduce(plan, self.reducers[i], piece)
+        stats = self._piece_stats(i, plan, piece, reduced)
+        if plan.encoded:
+            held = {"wire": held["wire"], "acc": chunks.put(held["acc"], chunk, reduced)}
+        else:
+            held = {"wire": chunks.put(held["wire"], chunk, reduced), "acc": None}
+        inflight = (*c.inflight[:i], held, *c.inflight[i + 1 :])
+        return self._add(c._replace(inflight=inflight), i, stats)
+
+    def _finish_chunks(self, c: Carry, i: int, plan) -> Carry:
+        held = c.inflight[i]
+        reduced = chunks.finish(plan, held["acc"] if plan.encoded else held["wire"])
+        return self._apply(c, i, reduced)
+
+    def _sync(self, c: Carry, i: int) -> Carry:
+        c, payload = self._send(c, i)
+        reduced = self.reducers[i](payload)
+        return self._add(self._apply(c, i, reduced), i, self._whole_stats(i, payload, reduced))
+
+    # --------------------------------------------------------------------------------------
+
+    def before(self, c: Carry) -> tuple[Carry, dict, dict]:
+        """Step 0: sends, and the chunk buffers of every transfer the loop carries.
+        Returns the carry, the reductions in flight outside it, and the chunk plans."""
+        store, plans, inflight = {}, {}, list(c.inflight)
+        c = c._replace(sums=_like(c.sums, jax.lax.axis_index(REPLICA)))
+        for i, t in enumerate(self.transfers):
+            if not self.carried[i]:
+                if t.send == 0:
+                    c, payload = self._send(c, i)
+                    store[i] = (payload, self.reducers[i](payload))
+                continue
+            if t.send == 0:
+                c, payload = self._send(c, i)
+            else:  # sent inside the loop: typed zeros until then (the probe is discarded)
+                _, payload = self._send(c, i)
+            plans[i] = chunks.plan(payload, self.reducers[i], t.chunks)
+            held = self._fill(plans[i], payload)
+            if t.send != 0:
+                held = _like(jax.tree.map(jnp.zeros_like, held), held)
+            inflight[i] = held
+        return c._replace(inflight=tuple(inflight)), store, plans
+
+    def in_step(self, k: jax.Array, c: Carry, plans: dict) -> Carry:
+        """Before inner step ``k``: sends due at step k, then the chunks due."""
+        H = self.steps
+        for i, t in enumerate(self.transfers):
+            if self.carried[i] and 0 < t.send < H:
+
+                def fill(c, i=i):
+                    c, payload = self._send(c, i)
+                    held = self._fill(plans[i], payload)
+                    inflight = (*c.inflight[:i], _like(held, c.inflight[i]), *c.inflight[i + 1 :])
+                    return c._replace(inflight=inflight)
+
+                c = jax.lax.cond(k == t.send, fill, lambda c: c, c)
+        for i, t in enumerate(self.transfers):
+            if not self.carried[i]:
+                continue
+            steps = chunk_steps(t)
+            if steps == list(range(H)):  # a chunk every step: no branch, each step's
+                c = self._reduce_chunk(c, i, plans[i], k)  # collective independent of it
+                continue
+            table = np.full(H, -1, np.int32)
+            table[steps] = np.arange(t.chunks)
+            chunk = jnp.asarray(table)[k]
+            c = jax.lax.cond(
+                chunk >= 0,
+                lambda c, i=i, chunk=chunk: self._reduce_chunk(
+                    c, i, plans[i], jnp.maximum(chunk, 0)
+                ),
+                lambda c: c,
+                c,
+            )
+        return c
+
+    def after_step(self, k: jax.Array, c: Carry, plans: dict) -> Carry:
+        """After inner step ``k``: the transfers applied at boundary k + 1 < H."""
+        for i, t in enumerate(self.transfers):
+            if t.apply >= self.steps:
+                continue
+            if t.send == t.apply:
+                c = jax.lax.cond(k + 1 == t.apply, lambda c, i=i: self._sync(c, i), lambda c: c, c)
+            else:
+                c = jax.lax.cond(
+                    k + 1 == t.apply,
+                    lambda c, i=i: self._finish_chunks(c, i, plans[i]),
+                    lambda c: c,
+                    c,
+                )
+        return c
+
+    def after(self, c: Carry, store: dict, plans: dict) -> Carry:
+        """After the last step: the transfers applied at H, in schedule order."""
+        for i, t in enumerate(self.transfers):
+            if t.apply != self.steps:
+                continue
+            if self.carried[i]:
+                c = self._finish_chunks(c, i, plans[i])
+            elif t.send == t.apply:
+                c = self._sync(c, i)
+            else:
+                payload, reduced = store.pop(i)
+                c = self._add(self._apply(c, i, reduced), i, self._whole_stats(i, payload, reduced))
+        return c
+
+    def metrics(self, c: Carry) -> tuple[jax.Array, jax.Array]:
+        """The round's payload norm (all transfers) and mean cosine to the reduced mean."""
+        if not self.transfers:
+            return jnp.float32(0), jnp.float32(0)
+        return jnp.sqrt(jnp.sum(c.sums[:, 0])), jnp.mean(_cosine(c.sums))
