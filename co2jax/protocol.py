@@ -15,8 +15,9 @@ round's last step, H). Per transfer ``i``::
   round to hide behind;
 - Streaming DiLoCo has one transfer per fragment, each sent ``tau`` steps before it is
   applied;
-- a transfer may be cut into ``chunks`` pieces sent at evenly spaced steps between its send
-  and apply (:func:`spread`): each step then carries 1/K of the bytes.
+- a transfer may be cut into ``chunks`` pieces, sent at the K steps from its send on (at
+  most the steps before its apply, :func:`spread`): each of those steps carries 1/K of the
+  bytes.
 
 ``send`` may change the state (error feedback records what compression left out of the
 payload actually sent). The three drivers (the round engine, the per-step adapter and the
@@ -42,7 +43,7 @@ Payload = Any
 class Transfer(NamedTuple):
     """One payload of a round: taken after ``send`` inner steps, its reduction applied after
     ``apply`` (``None``: after the last step, H), in ``chunks`` pieces (chunk c sent after
-    ``send + c * (apply - send) // chunks`` steps)."""
+    ``send + c`` steps, ``chunks <= apply - send``)."""
 
     send: int | None = None
     apply: int | None = None
@@ -164,7 +165,7 @@ def resolve(outer: OuterOptimizer, steps: int) -> tuple[Transfer, ...]:
 
 def chunk_steps(t: Transfer) -> list[int]:
     """The step each chunk of a resolved transfer is sent at."""
-    return [t.send + c * (t.apply - t.send) // t.chunks for c in range(t.chunks)]
+    return [t.send + c for c in range(t.chunks)]
 
 
 _PHASE = {"sync": 0, "apply": 0, "send": 1, "chunk": 2}
@@ -186,6 +187,12 @@ def plan(transfers: tuple[Transfer, ...]) -> list[Action]:
     return sorted(actions, key=lambda a: (a.at, _PHASE[a.kind]))
 
 
-def spread(transfers: tuple[Transfer, ...]) -> tuple[Transfer, ...]:
-    """Resolved transfers with every overlapped one cut into a chunk per step it spans."""
-    return tuple(t._replace(chunks=max(1, t.apply - t.send)) for t in transfers)
+def spread(transfers: tuple[Transfer, ...], chunks=None) -> tuple[Transfer, ...]:
+    """Resolved transfers with every overlapped one cut into chunks: ``chunks(transfer,
+    i)`` of them (default: one per step it spans; capped at the span)."""
+    out = []
+    for i, t in enumerate(transfers):
+        span = max(1, t.apply - t.send)
+        k = span if chunks is None else chunks(t, i)
+        out.append(t._replace(chunks=max(1, min(span, int(k)))))
+    return tuple(out)

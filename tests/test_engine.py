@@ -331,3 +331,60 @@ def test_all_gather_with_split_outer_state_under_check_vma(name, layout, problem
     anchor = state.outer_state.anchor
     assert anchor["b"].sharding.shard_shape(anchor["b"].shape) == (1, 1)  # split over data
     assert anchor["w"].sharding.shard_shape(anchor["w"].shape) == (1, 3)  # whole
+
+
+SPREAD_CASES = [c for c in CASES if c.make().overlapped]
+
+
+@pytest.mark.parametrize("layout", ["whole", "shard_outer_state"])
+@pytest.mark.parametrize("reducer", ["pmean", "all_gather"])
+@pytest.mark.parametrize("case", SPREAD_CASES, ids=[c.name for c in SPREAD_CASES])
+def test_spread_round_equals_unspread(case, reducer, layout, problem, mesh):
+    """A delayed payload cut into a chunk per inner step, each reduced inside its iteration,
+    gives the unspread round (same reducer kind). The reduced values are equal bit for bit
+    (tests/test_chunks.py); the two programs are compiled apart, so XLA may contract the outer
+    update's arithmetic differently (FMA): one float32 ulp is allowed."""
+    kw = {} if layout == "whole" else {"shard_outer_state": True}
+    plain, _, plain_m, t0 = run_engine(
+        case.make(), problem, mesh, reducer=reducer, spread=False, **kw
+    )
+    got, _, got_m, t1 = run_engine(case.make(), problem, mesh, reducer=reducer, spread=H, **kw)
+    assert t0.run[0].chunks == 1 and t1.run[0].chunks == H
+    np.testing.assert_allclose(got, plain, rtol=1e-6, atol=1e-7)
+    for a, b in zip(got_m, plain_m, strict=True):
+        np.testing.assert_allclose(a.pseudo_gradient_norm, b.pseudo_gradient_norm, rtol=1e-6)
+        np.testing.assert_allclose(a.cosine_to_mean, b.cosine_to_mean, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got, case.textbook(problem), **TOL)
+
+
+def test_spread_compressed_and_error_feedback_equal_unspread(problem, mesh):
+    """int8 blocks are never split by a chunk, and error feedback's encodings are cut along
+    their blocks: spread equals unspread."""
+    from co2jax import comm
+
+    def make():
+        reduce = comm.all_gather_compressed(comm.int8(block=2))
+        return co2jax.error_feedback(co2jax.co2(1.0, 0.5, reduce=reduce))
+
+    plain, *_ = run_engine(make(), problem, mesh, spread=False)
+    got, *_ = run_engine(make(), problem, mesh, spread=H)
+    np.testing.assert_allclose(got, plain, rtol=1e-6, atol=1e-7)
+
+
+def test_spread_chunks_sit_inside_the_loop(problem, mesh):
+    """The spread round's replica-axis collectives are inside the loop body, one chunk per
+    iteration; the unspread one issues its reduction outside the loop."""
+    outer = co2jax.co2(1.0, 0.5)
+    for spread, inside in [(H, True), (False, False)]:
+        trainer = co2jax.RoundTrainer(
+            engine_loss, optax.sgd(LR), outer, mesh, H, reducer="all_gather", spread=spread
+        )
+        state, batch = _placed(trainer, problem)
+        text = trainer.lower(state, batch).compile().as_text()
+        found = co2jax.hlo.flights(text, mesh, "replica")
+        assert found and all((f.count == H) == inside for f in found), found
+
+
+def test_spread_argument_is_checked(mesh):
+    with pytest.raises(ValueError, match="spread=0"):
+        co2jax.RoundTrainer(engine_loss, optax.sgd(LR), co2jax.co2(1.0, 0.5), mesh, H, spread=0)

@@ -325,3 +325,21 @@ def test_error_feedback_without_compression_changes_nothing(problem):
     np.testing.assert_allclose(
         np.asarray(harness.flatten(got[-1])), np.asarray(harness.flatten(plain[-1])), rtol=1e-6
     )
+
+
+@pytest.mark.parametrize("tau", [1, 2])
+def test_spread_round_engine_matches_textbook(tau, problem):
+    """Spread (as on TPU): each fragment's payload cut into tau chunks, each reduced inside
+    one of the tau steps it overlaps, the scan cut into segments at the fragments' steps."""
+    mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
+    want = tb.streaming_nesterov(problem, LR, H, ROUNDS, list(FLAT.values()), tau, 0.5, ETA, MU)
+    trainer = co2jax.RoundTrainer(
+        engine_loss, optax.sgd(LR), _outer(tau, 0.5), mesh, H, reducer="all_gather", spread=tau
+    )
+    state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
+    got = []
+    for _ in range(ROUNDS):
+        state, _ = trainer.round(state, textbook_batch(problem, H))
+        got.append(np.asarray(harness.flatten(jax.device_get(state.params))))
+    np.testing.assert_allclose(np.stack(got), want, rtol=1e-5, atol=1e-5)
+    assert [t.chunks for t in trainer.run] == [tau, tau]

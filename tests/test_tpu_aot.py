@@ -79,8 +79,22 @@ def _entry_replica_sync(text, mesh):
 
 
 @pytest.mark.parametrize("name", list(DELAYED))
-def test_delayed_reduction_brackets_the_inner_loop(name, mesh):
+def test_auto_spreads_the_delayed_reduction_over_the_steps(name, mesh):
+    """auto on TPU: the delayed payload in a chunk per inner step, each chunk's all-gather
+    issued inside its iteration and in flight under that step's compute."""
     trainer, text = _compile(DELAYED[name](), mesh)
+    assert trainer.reducer_kind == "all_gather" and trainer.run[0].chunks == H
+    found = hlo.flights(text, mesh, "replica")
+    assert found and all(f.count == H and f.hidden for f in found), found
+    assert hlo.hidden_fraction(text, mesh, "replica") == 1.0
+    assert not _entry_replica_sync(text, mesh)
+
+
+@pytest.mark.parametrize("name", list(DELAYED))
+def test_unspread_reduction_brackets_the_inner_loop(name, mesh):
+    """spread=False on this toy model (no loop inside the inner step): the whole payload's
+    all-gather is issued before the loop and done after it (see the model-scale tests)."""
+    trainer, text = _compile(DELAYED[name](), mesh, spread=False)
     assert trainer.reducer_kind == "all_gather"  # the auto choice on TPU for R <= 4
     seq = hlo.entry_sequence(text)
     loop = seq.index("while")
@@ -95,7 +109,7 @@ def test_delayed_reduction_brackets_the_inner_loop(name, mesh):
 
 def test_pmean_stays_synchronous_after_the_loop(mesh):
     """The measured reason for the all-gather: XLA:TPU serialises an independent all-reduce."""
-    _, text = _compile(DELAYED["co2"](), mesh, reducer="pmean")
+    _, text = _compile(DELAYED["co2"](), mesh, reducer="pmean", spread=False)
     seq = hlo.entry_sequence(text)
     assert "all-reduce" in seq, seq  # before or after the loop, never around it
     assert not any(op.endswith("-start") for op in seq), seq
@@ -104,7 +118,7 @@ def test_pmean_stays_synchronous_after_the_loop(mesh):
 
 def test_ring_issues_its_last_step_across_the_loop(mesh):
     """The ppermute ring: dependent steps; the compiler overlaps the last one with the loop."""
-    _, text = _compile(DELAYED["co2"](), mesh, reducer="ring")
+    _, text = _compile(DELAYED["co2"](), mesh, reducer="ring", spread=False)
     seq = hlo.entry_sequence(text)
     loop = seq.index("while")
     assert "collective-permute-start" in seq[:loop]
@@ -221,8 +235,10 @@ def test_kernel_compiles_for_tpu_at_the_minimum_bytes(name, dtype, replicas, mes
 
 
 def test_engine_runs_the_mosaic_kernel_on_the_delayed_path(mesh):
-    """auto on TPU: the all-gathered payloads go straight into the compiled kernel."""
-    trainer, text = _compile(DELAYED["co2_gap_aware"](), mesh)
+    """Unspread on TPU: the all-gathered payloads go straight into the compiled kernel.
+    (Spread, each chunk is averaged as it arrives and the update gets the mean: XLA's own
+    update, which reaches the minimum bytes for a reduced payload, docs/kernels.md.)"""
+    trainer, text = _compile(DELAYED["co2_gap_aware"](), mesh, spread=False)
     assert trainer.reducer_kind == "all_gather"
     assert "tpu_custom_call" in text
     seq = hlo.entry_sequence(text)
@@ -306,3 +322,85 @@ def test_int8_payloads_fuse_at_the_minimum_bytes(name, mesh):
     minimum = api.minimum_bytes(spec, n, replicas, jnp.float32, jnp.int8) + replicas * n // 32
     # plus the dynamic `apply` flag, a (1, 128) float32 row (and its broadcast): a few KB
     assert minimum <= cost["bytes accessed"] <= minimum + 4096, (cost["bytes accessed"], minimum)
+
+
+# ---------------------------------------------------------------------------------------------
+# at the sizes users train: a residual MLP whose inner step scans over its layers
+
+
+def _model_round(outer, mesh, layers=3, H=4, **kw):
+    """A round of the benchmarks' residual MLP (d_model 1024, d_ff 4096, bf16, 8.4M
+    parameters per layer; 3 layers: 25M), compiled for the mesh."""
+    d, ff = 1024, 4096
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    params = {
+        "scale": s(layers, d),
+        "w1": s(layers, d, ff),
+        "b1": s(layers, ff),
+        "w2": s(layers, ff, d),
+    }
+
+    def loss(p, b):
+        def block(h, layer):
+            hidden = jax.nn.gelu(h * layer["scale"] @ layer["w1"] + layer["b1"])
+            return h + hidden @ layer["w2"], None
+
+        h, _ = jax.lax.scan(block, b["x"], p)
+        return jnp.mean(jnp.square(h.astype(jnp.float32) - b["y"].astype(jnp.float32)))
+
+    trainer = co2jax.RoundTrainer(loss, optax.adamw(1e-4), outer, mesh, H, **kw)
+    R, D = mesh.shape["replica"], mesh.shape["data"]
+    leaf = jax.ShapeDtypeStruct(
+        (R, H, 8 * D, d), jnp.bfloat16, sharding=NamedSharding(mesh, P("replica", None, "data"))
+    )
+    lowered = trainer.lower(trainer.abstract_state(params), {"x": leaf, "y": leaf})
+    return trainer, lowered.compile().as_text()
+
+
+AT_SCALE = {
+    "co2": lambda: co2jax.co2(0.7, 0.5, clip_threshold=1.0),
+    "delayed_diloco": lambda: co2jax.delayed_diloco(co2jax.outer_sgd(0.7, 0.9, True)),
+    "eager_diloco": lambda: co2jax.eager_diloco(co2jax.outer_sgd(0.7, 0.9, True)),
+}
+
+
+@pytest.fixture(scope="module")
+def wide_mesh():
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(topology_name="v5e:2x4", platform="tpu")
+    except Exception as e:
+        _unavailable(f"no TPU topology for ahead-of-time compilation: {e}")
+    return co2jax.make_mesh(replica=2, data=4, devices=topo.devices)
+
+
+@pytest.mark.parametrize("name", list(AT_SCALE))
+def test_25m_delayed_reduction_is_in_flight_under_compute(name, wide_mesh):
+    """25M parameters, v5e 2x4: every byte of the delayed reduction in flight under an inner
+    step's compute (a chunk per step), nothing synchronous over the replica axis."""
+    trainer, text = _model_round(AT_SCALE[name](), wide_mesh)
+    assert trainer.run[0].chunks == 4
+    assert hlo.hidden_fraction(text, wide_mesh, "replica") >= 0.95
+    assert not any(not f.hidden for f in hlo.flights(text, wide_mesh, "replica"))
+
+
+def test_25m_whole_payload_is_synchronous_unspread(wide_mesh):
+    """The failure the spread schedule fixes: unspread, the whole payload's all-gather is
+    scheduled synchronously after the loop once the inner step scans over layers."""
+    _, text = _model_round(AT_SCALE["co2"](), wide_mesh, spread=False)
+    assert hlo.hidden_fraction(text, wide_mesh, "replica") == 0.0
+
+
+def test_streaming_fragments_are_in_flight_under_compute(wide_mesh):
+    """Streaming DiLoCo, 2 fragments of 2 layers (34M), H = 8, tau = 2: each fragment's two
+    chunks reduced inside the two steps they overlap, under those steps' compute."""
+    layers, H = 4, 8
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    shapes = {"scale": s(layers, 1024), "w1": s(layers, 1024, 4096), "b1": s(layers, 4096)}
+    shapes["w2"] = s(layers, 4096, 1024)
+    frags = co2jax.fragments.make_fragments(shapes, 2, stacked="scale|w1|b1|w2")
+    outer = co2jax.streaming_diloco(co2jax.outer_sgd(0.7, 0.9, True), frags, H, tau=2)
+    trainer, text = _model_round(outer, wide_mesh, layers=layers, H=H)
+    assert [t.chunks for t in trainer.run] == [2, 2]
+    assert hlo.hidden_fraction(text, wide_mesh, "replica") >= 0.95

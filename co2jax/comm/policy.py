@@ -28,6 +28,9 @@ from co2jax.comm.reducer import (
 from co2jax.kernels.api import resolve
 
 CHOICES = ("auto", "outer", *EXACT)
+MIN_CHUNK_BYTES = 2**20
+"""The smallest chunk the auto policy cuts a payload into: below it a collective's fixed cost
+is not worth spreading."""
 ALL_GATHER_LIMIT = 256 * 2**20
 """Largest ``R * payload`` (float32 bytes) the auto policy all-gathers on TPU."""
 
@@ -51,6 +54,32 @@ def auto_kind(platform: str, replicas: int, overlapped: bool, payload_elements: 
     if replicas <= 4 and gathered <= ALL_GATHER_LIMIT:
         return "all_gather"
     return "ring"
+
+
+def spreads(platform: str) -> bool:
+    """Whether ``auto`` spreads a round's overlapped transfers over its inner steps.
+
+    On TPU: an all-gather issued before the inner loop runs asynchronously around it only
+    while the loop body holds no nested loop (a scan over layers), so on real models the
+    whole payload's reduction is synchronous after the loop; an all-gather of one chunk issued
+    inside a step is asynchronous under that step's compute, nested loops included
+    (``docs/overlap.md``). Elsewhere the payload goes whole (XLA:CPU runs every collective
+    synchronously; GPU is not measured yet).
+    """
+    return platform == "tpu"
+
+
+def chunk_count(span: int, payload_bytes: int, minimum: int = MIN_CHUNK_BYTES) -> int:
+    """Chunks for a transfer spanning ``span`` steps: one per step, as long as each stays at
+    least ``minimum`` bytes (a chunk's collective has a fixed cost)."""
+    return max(1, min(span, payload_bytes // max(1, minimum)))
+
+
+def chunk_kind(platform: str) -> str:
+    """The exact mean for one chunk: on TPU the all-gather, whose chunk is asynchronous under
+    its step's compute at R = 2, 4 and 8 (the ppermute ring's dependent steps hide 14-33% of
+    its bytes there: measured at 100M parameters, v5e 2x4); elsewhere the all-reduce."""
+    return "all_gather" if platform == "tpu" else "pmean"
 
 
 def check_choice_for(choice: str, reducer: Reducer) -> str:
@@ -97,7 +126,11 @@ def select(
         return "outer", reducer
     kind = choice
     if choice == "auto":
-        kind = auto_kind(platform, replicas, overlapped, payload_elements)
+        kind = (
+            auto_kind(platform, replicas, overlapped, payload_elements)
+            if whole
+            else chunk_kind(platform)
+        )
     if kind == "all_gather" and accepts_gathered and whole:
         # the R payloads go to the outer update un-reduced: a fused update averages them in
         # its own pass (co2jax.kernels)

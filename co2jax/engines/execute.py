@@ -19,16 +19,16 @@ values of its whole reduction (:mod:`co2jax.comm.chunks`).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from co2jax.axes import DATA, REPLICA
 from co2jax.comm import chunks
 from co2jax.comm.reducer import values
-from co2jax.protocol import OuterOptimizer, Transfer, chunk_steps
+from co2jax.protocol import OuterOptimizer, Transfer
 from co2jax.tree import varying_axes
 
 
@@ -74,12 +74,15 @@ class RoundSchedule:
         layout,
         steps: int,
         payload_shapes: list,
+        segmented: bool = False,
     ):
         self.outer, self.transfers, self.reducers = outer, transfers, reducers
         self.layout, self.steps, self.payload_shapes = layout, steps, payload_shapes
+        self.segmented = segmented
         H = steps
         self.carried = tuple(
-            not ((t.send in (0, H) and t.apply == H and t.chunks == 1) or (t.send == t.apply))
+            t.send != t.apply
+            and (segmented or not (t.send == 0 and t.apply == H and t.chunks == 1))
             for t in transfers
         )
 
@@ -159,55 +162,84 @@ class RoundSchedule:
 
     # --------------------------------------------------------------------------------------
 
-    def before(self, c: Carry) -> tuple[Carry, dict, dict]:
-        """Step 0: sends, and the chunk buffers of every transfer the loop carries.
-        Returns the carry, the reductions in flight outside it, and the chunk plans."""
-        store, plans, inflight = {}, {}, list(c.inflight)
-        c = c._replace(sums=_like(c.sums, jax.lax.axis_index(REPLICA)))
-        for i, t in enumerate(self.transfers):
-            if not self.carried[i]:
-                if t.send == 0:
-                    c, payload = self._send(c, i)
-                    store[i] = (payload, self.reducers[i](payload))
-                continue
-            if t.send == 0:
-                c, payload = self._send(c, i)
-            else:  # sent inside the loop: typed zeros until then (the probe is discarded)
-                _, payload = self._send(c, i)
-            plans[i] = chunks.plan(payload, self.reducers[i], t.chunks)
-            held = self._fill(plans[i], payload)
-            if t.send != 0:
-                held = _like(jax.tree.map(jnp.zeros_like, held), held)
-            inflight[i] = held
-        return c._replace(inflight=tuple(inflight)), store, plans
-
-    def in_step(self, k: jax.Array, c: Carry, plans: dict) -> Carry:
-        """Before inner step ``k``: sends due at step k, then the chunks due."""
+    def segments(self) -> list[tuple[int, int]]:
+        """The loop's segments ``[start, stop)``: the whole round, or (segmented) cut at
+        every step where a transfer is sent or applied or its chunks start or stop."""
         H = self.steps
+        cuts = {0, H}
+        if self.segmented:
+            for t in self.transfers:
+                cuts |= {t.send, t.apply, min(H, t.send + t.chunks)}
+        cuts = sorted(cuts)
+        return list(itertools.pairwise(cuts))
+
+    def boundary(self, b: int, c: Carry, store: dict, plans: dict) -> Carry:
+        """The actions at boundary ``b`` outside the loop (every boundary when segmented,
+        else steps 0 and H), in :func:`co2jax.protocol.plan`'s order: applies (and
+        transfers sent and applied there), then sends."""
+        H = self.steps
+        if b == 0:
+            c = c._replace(sums=_like(c.sums, jax.lax.axis_index(REPLICA)))
+        for i, t in enumerate(self.transfers):  # applied at b
+            if t.apply != b or not (self.segmented or b == H):
+                continue
+            if t.send == t.apply:
+                c = self._sync(c, i)
+            elif self.carried[i]:
+                c = self._finish_chunks(c, i, plans[i])
+                c = c._replace(inflight=(*c.inflight[:i], (), *c.inflight[i + 1 :]))
+            else:
+                payload, reduced = store.pop(i)
+                c = self._add(self._apply(c, i, reduced), i, self._whole_stats(i, payload, reduced))
+        for i, t in enumerate(self.transfers):  # sent at b, applied later
+            if t.send != b or t.apply == b:
+                continue
+            if not self.carried[i]:
+                c, payload = self._send(c, i)
+                store[i] = (payload, self.reducers[i](payload))
+            elif self.segmented or b == 0:
+                c, payload = self._send(c, i)
+                plans[i] = chunks.plan(payload, self.reducers[i], t.chunks)
+                c = self._hold(c, i, self._fill(plans[i], payload))
+        if b == 0 and not self.segmented:  # sent inside the one loop: typed zeros until then
+            for i, t in enumerate(self.transfers):
+                if self.carried[i] and t.send > 0:
+                    _, payload = self._send(c, i)  # a probe for the buffers' types, discarded
+                    plans[i] = chunks.plan(payload, self.reducers[i], t.chunks)
+                    held = self._fill(plans[i], payload)
+                    c = self._hold(c, i, _like(jax.tree.map(jnp.zeros_like, held), held))
+        return c
+
+    def _hold(self, c: Carry, i: int, held) -> Carry:
+        return c._replace(inflight=(*c.inflight[:i], held, *c.inflight[i + 1 :]))
+
+    def in_step(self, k: jax.Array, c: Carry, plans: dict, segment: tuple[int, int]) -> Carry:
+        """Before inner step ``k`` of ``segment``: sends due (one loop), then the chunks."""
+        H = self.steps
+        if self.segmented:  # every chunk of this segment is one per step: no branch
+            for i, t in enumerate(self.transfers):
+                if self.carried[i] and t.send <= segment[0] < t.send + t.chunks:
+                    c = self._reduce_chunk(c, i, plans[i], k - t.send)
+            return c
         for i, t in enumerate(self.transfers):
             if self.carried[i] and 0 < t.send < H:
 
                 def fill(c, i=i):
                     c, payload = self._send(c, i)
-                    held = self._fill(plans[i], payload)
-                    inflight = (*c.inflight[:i], _like(held, c.inflight[i]), *c.inflight[i + 1 :])
-                    return c._replace(inflight=inflight)
+                    return self._hold(c, i, _like(self._fill(plans[i], payload), c.inflight[i]))
 
                 c = jax.lax.cond(k == t.send, fill, lambda c: c, c)
         for i, t in enumerate(self.transfers):
             if not self.carried[i]:
                 continue
-            steps = chunk_steps(t)
-            if steps == list(range(H)):  # a chunk every step: no branch, each step's
-                c = self._reduce_chunk(c, i, plans[i], k)  # collective independent of it
+            if t.send == 0 and t.chunks == H:  # a chunk every step: no branch, each
+                c = self._reduce_chunk(c, i, plans[i], k)  # step's collective independent
                 continue
-            table = np.full(H, -1, np.int32)
-            table[steps] = np.arange(t.chunks)
-            chunk = jnp.asarray(table)[k]
+            due = (k >= t.send) & (k < t.send + t.chunks)
             c = jax.lax.cond(
-                chunk >= 0,
-                lambda c, i=i, chunk=chunk: self._reduce_chunk(
-                    c, i, plans[i], jnp.maximum(chunk, 0)
+                due,
+                lambda c, i=i, t=t: self._reduce_chunk(
+                    c, i, plans[i], jnp.clip(k - t.send, 0, t.chunks - 1)
                 ),
                 lambda c: c,
                 c,
@@ -215,7 +247,9 @@ class RoundSchedule:
         return c
 
     def after_step(self, k: jax.Array, c: Carry, plans: dict) -> Carry:
-        """After inner step ``k``: the transfers applied at boundary k + 1 < H."""
+        """After inner step ``k`` (one loop): the transfers applied at boundary k + 1 < H."""
+        if self.segmented:
+            return c
         for i, t in enumerate(self.transfers):
             if t.apply >= self.steps:
                 continue
@@ -228,20 +262,6 @@ class RoundSchedule:
                     lambda c: c,
                     c,
                 )
-        return c
-
-    def after(self, c: Carry, store: dict, plans: dict) -> Carry:
-        """After the last step: the transfers applied at H, in schedule order."""
-        for i, t in enumerate(self.transfers):
-            if t.apply != self.steps:
-                continue
-            if self.carried[i]:
-                c = self._finish_chunks(c, i, plans[i])
-            elif t.send == t.apply:
-                c = self._sync(c, i)
-            else:
-                payload, reduced = store.pop(i)
-                c = self._add(self._apply(c, i, reduced), i, self._whole_stats(i, payload, reduced))
         return c
 
     def metrics(self, c: Carry) -> tuple[jax.Array, jax.Array]:

@@ -48,6 +48,8 @@ from co2jax.engines.execute import Carry, RoundSchedule
 from co2jax.engines.sharding import Layout
 from co2jax.kernels.api import target_backend
 from co2jax.protocol import OuterOptimizer, resolve
+from co2jax.protocol import spread as spread_transfers
+from co2jax.tree import tree_bytes
 
 REDUCER_CHOICES = policy.CHOICES
 
@@ -103,6 +105,12 @@ class RoundTrainer:
         overlaps; a compressed or other specific reduction is kept), ``"outer"`` (the
         algorithm's own), or an exact mean (``"pmean"``, ``"all_gather"``, ``"ring"``) in
         place of the algorithm's exact mean.
+      spread: cut every overlapped transfer (sent before the step it is applied at) into
+        chunks reduced one per inner step, each under that step's compute: ``None`` (auto:
+        on TPU, :func:`co2jax.comm.policy.spreads`), ``True``, ``False``, or a chunk count.
+        The auto count is a chunk per step, each at least 1 MiB
+        (:func:`co2jax.comm.policy.chunk_count`). The result equals the unspread round's
+        (chunks are cut on the payload's wire form, :mod:`co2jax.comm.chunks`).
       shard_outer_state: shard the outer state over ``data`` inside each replica.
       fsdp: also shard the parameters and the inner optimizer state over ``data`` (FSDP /
         ZeRO-3 style). Implies ``shard_outer_state``; needs an element-wise inner optimizer.
@@ -121,6 +129,7 @@ class RoundTrainer:
         sync_every: int,
         *,
         reducer: str = "auto",
+        spread: bool | int | None = None,
         shard_outer_state: bool = False,
         fsdp: bool = False,
         donate: bool = True,
@@ -138,6 +147,13 @@ class RoundTrainer:
                 f"{mesh.axis_names!r}"
             )
         self.transfers = resolve(outer, sync_every)
+        if not (
+            spread is None or isinstance(spread, bool) or (isinstance(spread, int) and spread >= 1)
+        ):
+            raise ValueError(
+                f"spread must be None, True, False or a chunk count >= 1, got spread={spread!r}"
+            )
+        self.spread = spread
         self.sync_every = sync_every
         self.reducer = policy.check_choice_for(reducer, outer.reducer)
         self.loss_fn, self.outer, self.mesh = loss_fn, outer, mesh
@@ -146,6 +162,7 @@ class RoundTrainer:
         self.layout = Layout(self.data, shard_outer_state, fsdp)
         self.fsdp = self.layout.fsdp
         self.reducers: tuple = ()  # per transfer, chosen when a program is built
+        self.run = self.transfers  # the transfers as the program runs them (chunks)
         self.reducer_kind: str | None = None if reducer == "auto" else reducer
         self._donate = donate
         self._check_vma = bool(check_vma)
@@ -244,16 +261,29 @@ class RoundTrainer:
                 accepts_gathered=self.outer.accepts_gathered,
                 axis_name=REPLICA,
             )
-            for t, shapes in zip(self.transfers, payload_shapes, strict=True)
+            for t, shapes in zip(self.run, payload_shapes, strict=True)
         ]
         kinds = {kind for kind, _ in chosen}
         self.reducer_kind = kinds.pop() if len(kinds) == 1 else "/".join(k for k, _ in chosen)
         return tuple(r for _, r in chosen)
 
+    def _spread(self, payload_shapes: list) -> tuple:
+        """The transfers as this program runs them: overlapped ones in chunks where spread."""
+        spread = self.spread
+        if spread is None:
+            spread = policy.spreads(self.platform)
+        if spread is False:
+            return self.transfers
+        if spread is True:
+            count = lambda t, i: policy.chunk_count(t.apply - t.send, tree_bytes(payload_shapes[i]))
+        else:
+            count = lambda t, i: spread
+        return spread_transfers(self.transfers, count)
+
     def _wire_bytes(self, payload_shapes: list, reducers: tuple) -> float:
         """Bytes one replica sends per round: every transfer (every chunk) by its reducer."""
         total = 0.0
-        for t, shapes, reducer in zip(self.transfers, payload_shapes, reducers, strict=True):
+        for t, shapes, reducer in zip(self.run, payload_shapes, reducers, strict=True):
             if t.chunks == 1:
                 total += reducer.wire_bytes(shapes, self.replicas)
                 continue
@@ -273,15 +303,21 @@ class RoundTrainer:
         params, inner, outer, rnd, batch = map(squeeze, (params, inner, outer, rnd, batch))
         layout = self.layout
         schedule = RoundSchedule(
-            self.outer, self.transfers, reducers, layout, self.sync_every, payload_shapes
+            self.outer,
+            self.run,
+            reducers,
+            layout,
+            self.sync_every,
+            payload_shapes,
+            segmented=self.run != self.transfers,  # spread: chunks in their steps' segments
         )
         inflight = ((),) * len(self.transfers)
         carry = Carry(params, inner, outer, jnp.zeros((len(self.transfers), 3)), inflight)
-        carry, store, plans = schedule.before(carry)
+        store, plans, losses = {}, {}, []
 
-        def step(c: Carry, xs) -> tuple[Carry, jax.Array]:
+        def step(c: Carry, xs, segment) -> tuple[Carry, jax.Array]:
             b, k = xs
-            c = schedule.in_step(k, c, plans)
+            c = schedule.in_step(k, c, plans, segment)
             # gradients are averaged over the data shards explicitly; nothing crosses
             # "replica" here
             full = layout.gather_params(c.params, param_shapes)
@@ -293,8 +329,17 @@ class RoundTrainer:
             return c, jax.lax.pmean(loss, DATA)
 
         steps = jnp.arange(self.sync_every, dtype=jnp.int32)
-        carry, losses = jax.lax.scan(step, carry, (batch, steps))
-        carry = schedule.after(carry, store, plans)
+        for start, stop in schedule.segments():
+            carry = schedule.boundary(start, carry, store, plans)
+            xs = jax.tree.map(lambda x, a=start, b=stop: x[a:b], (batch, steps))
+            if stop - start == 1:  # one step: straight-line code, not a loop of one
+                carry, loss = step(carry, jax.tree.map(lambda x: x[0], xs), (start, stop))
+                losses.append(loss[None])
+                continue
+            carry, seg = jax.lax.scan(lambda c, x, s=(start, stop): step(c, x, s), carry, xs)
+            losses.append(seg)
+        carry = schedule.boundary(self.sync_every, carry, store, plans)
+        losses = jnp.concatenate(losses)
         norm, cosine = schedule.metrics(carry)
         nbytes = self._wire_bytes(payload_shapes, reducers)
         metrics = RoundMetrics(losses, norm, cosine, jnp.asarray(nbytes, jnp.float32))
@@ -312,6 +357,7 @@ class RoundTrainer:
             )
             for i in range(len(self.transfers))
         ]
+        self.run = self._spread(payload_shapes)
         reducers = self._choose(payload_shapes)
         self.reducers = reducers
         metric_spec = RoundMetrics(P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA))
