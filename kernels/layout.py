@@ -256,3 +256,33 @@ def as_row(column: jax.Array) -> jax.Array:
     """``(n, 1)`` -> ``(1, n)`` (a transpose of the lane broadcast; the max of equal rows,
     as Triton lowers no slice)."""
     return jnp.max(jnp.broadcast_to(column, (column.shape[0], LANES)).T, axis=0, keepdims=True)
+
+
+def same_varying_axes(operands: list[jax.Array]) -> list[jax.Array] | None:
+    """Inside ``shard_map`` (``check_vma=True``): the operands cast to the union of their
+    varying mesh axes, so the kernel sees one type and its outputs can be declared with it.
+    ``None`` outside ``shard_map`` (or when nothing varies)."""
+    kinds = [getattr(jax.typeof(x), "manual_axis_type", None) for x in operands]
+    if any(k is None for k in kinds):
+        return None
+    union = frozenset().union(*(k.varying for k in kinds))
+    if not union:
+        return None
+    return [
+        jax.lax.pcast(x, tuple(sorted(union - k.varying)), to="varying") if union - k.varying else x
+        for x, k in zip(operands, kinds, strict=True)
+    ]
+
+
+def typed_call(call, out_shape, *operands):
+    """``call(*operands)`` of a ``pallas_call`` inside ``shard_map`` (``check_vma=True``):
+    operands cast to the union of their varying mesh axes and the outputs declared with it,
+    so the kernel type-checks; as it is outside ``shard_map``."""
+    cast = same_varying_axes(list(operands))
+    if cast is None:
+        return call(out_shape)(*operands)
+    kind = jax.typeof(cast[0]).manual_axis_type
+    shapes = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=kind), out_shape
+    )
+    return call(shapes)(*cast)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from co2jax.kernels.layout import as_column
+from co2jax.kernels.layout import as_column, same_varying_axes
 from co2jax.kernels.spec import LANES, BlockSizes, OuterUpdateSpec
 
 
@@ -223,7 +223,7 @@ def outer_update_pallas(
     cost = pl.CostEstimate(
         flops=blocks * br * LANES * (replicas + 12), transcendentals=0, bytes_accessed=moved
     )
-    operands = _same_varying_axes([arrays[n] for n in ins])
+    operands = same_varying_axes([arrays[n] for n in ins])
     if operands:
         kind = jax.typeof(operands[0]).manual_axis_type
         shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=kind) for s in shapes]
@@ -243,19 +243,3 @@ def outer_update_pallas(
         name="co2jax_outer_update",
     )(*(operands or [arrays[n] for n in ins]))
     return dict(zip(outs, results, strict=True))
-
-
-def _same_varying_axes(operands: list[jax.Array]) -> list[jax.Array] | None:
-    """Inside ``shard_map`` (``check_vma=True``): the operands cast to the union of their
-    varying mesh axes, so the kernel sees one type and its outputs can be declared with it.
-    ``None`` outside ``shard_map`` (or when nothing varies)."""
-    kinds = [getattr(jax.typeof(x), "manual_axis_type", None) for x in operands]
-    if any(k is None for k in kinds):
-        return None
-    union = frozenset().union(*(k.varying for k in kinds))
-    if not union:
-        return None
-    return [
-        jax.lax.pcast(x, tuple(sorted(union - k.varying)), to="varying") if union - k.varying else x
-        for x, k in zip(operands, kinds, strict=True)
-    ]

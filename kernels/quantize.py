@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from co2jax.kernels.api import current_backend, resolve
-from co2jax.kernels.layout import as_column, as_row
+from co2jax.kernels.layout import as_column, as_row, typed_call
 from co2jax.kernels.spec import LANES, BlockSizes, default_block_sizes
 
 
@@ -98,12 +98,9 @@ def _encode_call(kernel, x, width, dtype, fmt, impl, backend, block_sizes):
     ``(codes [rows, width] dtype, scale [rows])``, the scales written lane-dense."""
     br = (block_sizes or default_block_sizes(backend)).block_rows
     rows = x.shape[0]
-    codes, scale = pl.pallas_call(
+    call = lambda out_shape: pl.pallas_call(
         kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((rows, width), dtype),
-            jax.ShapeDtypeStruct((1, rows), jnp.float32),
-        ),
+        out_shape=out_shape,
         grid=(pl.cdiv(rows, br),),
         in_specs=[pl.BlockSpec((br, LANES), lambda i: (i, 0))],
         out_specs=(
@@ -114,7 +111,12 @@ def _encode_call(kernel, x, width, dtype, fmt, impl, backend, block_sizes):
         cost_estimate=_cost(x, (rows, width, dtype), (rows, jnp.float32)),
         interpret=impl == "interpret",
         name=f"co2jax_quantize_{fmt}",
-    )(x)
+    )
+    out_shape = (
+        jax.ShapeDtypeStruct((rows, width), dtype),
+        jax.ShapeDtypeStruct((1, rows), jnp.float32),
+    )
+    codes, scale = typed_call(call, out_shape, x)
     return codes, scale[0]
 
 
@@ -124,9 +126,9 @@ def _mean_call(kernel, codes, scale, fmt, impl, backend, block_sizes):
     ``[rows, 128]``."""
     replicas, rows, width = codes.shape
     br = (block_sizes or default_block_sizes(backend)).block_rows
-    return pl.pallas_call(
+    call = lambda out_shape: pl.pallas_call(
         functools.partial(kernel, replicas=replicas),
-        out_shape=jax.ShapeDtypeStruct((rows, LANES), jnp.float32),
+        out_shape=out_shape,
         grid=(pl.cdiv(rows, br),),
         in_specs=[
             pl.BlockSpec((replicas, br, width), lambda i: (0, i, 0)),
@@ -137,7 +139,8 @@ def _mean_call(kernel, codes, scale, fmt, impl, backend, block_sizes):
         cost_estimate=_cost(codes, scale, (rows, LANES, jnp.float32)),
         interpret=impl == "interpret",
         name=f"co2jax_dequantize_mean_{fmt}",
-    )(codes, scale)
+    )
+    return typed_call(call, jax.ShapeDtypeStruct((rows, LANES), jnp.float32), codes, scale)
 
 
 def quantize_int8(

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from co2jax.comm.reducer import Encoded, Grouped, Reducer
+from co2jax.comm.reducer import Encoded, Grouped, Reducer, values
 from co2jax.tree import common_dtype, flatten
 
 
@@ -133,11 +133,12 @@ def as_payload(plan: Plan, piece: list) -> Any:
 
 
 def reduce(plan: Plan, reducer: Reducer, piece: list) -> list[jax.Array]:
-    """One chunk reduced over the replica axis: per group, a vector of its chunk's elements."""
-    return list(reducer.reduce(as_payload(plan, piece)))
+    """One chunk reduced over the replica axis: per group, a vector of its chunk's elements
+    (averaged here when the reducer hands the replicas' pieces over un-reduced)."""
+    return list(values(reducer.reduce(as_payload(plan, piece))))
 
 
-def values(plan: Plan, piece: list) -> list[jax.Array]:
+def piece_values(plan: Plan, piece: list) -> list[jax.Array]:
     """One chunk's own values (decoded, for an encoded payload), per group."""
     if not plan.encoded:
         return list(piece)

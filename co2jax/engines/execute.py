@@ -115,7 +115,7 @@ class RoundSchedule:
         """The statistics of one chunk: a group holding a data shard is summed over data."""
         full = jax.tree.leaves(self.payload_shapes[i])
         split, whole = [], jnp.zeros(3, jnp.float32)
-        for g, (p, r) in enumerate(zip(chunks.values(plan, piece), reduced, strict=True)):
+        for g, (p, r) in enumerate(zip(chunks.piece_values(plan, piece), reduced, strict=True)):
             p, r = p.astype(jnp.float32), r.astype(jnp.float32)
             s = jnp.stack([jnp.sum(p * p), jnp.sum(r * r), jnp.sum(p * r)])
             leaves = plan.form.groups[g]

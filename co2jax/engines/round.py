@@ -257,7 +257,8 @@ class RoundTrainer:
                 replicas=self.replicas,
                 payload_elements=sum(x.size for x in jax.tree.leaves(shapes)),
                 overlapped=t.send < t.apply,
-                whole=t.chunks == 1,
+                # spread, every overlapped transfer is reduced in pieces inside its steps
+                whole=t.chunks == 1 and (self.run == self.transfers or t.send == t.apply),
                 accepts_gathered=self.outer.accepts_gathered,
                 axis_name=REPLICA,
             )
