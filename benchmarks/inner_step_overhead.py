@@ -9,7 +9,11 @@ mesh, each as ONE jitted call per H inner steps (so Python dispatch is comparabl
 - ``RoundTrainer.round`` (public API, host-side checks included): H inner steps (gradients
   averaged over ``data``) plus the outer sync, for CO2 and DiLoCo;
 - the per-step adapter ``co2jax.local_updates`` in a ``lax.scan`` of H steps inside
-  ``shard_map`` (the sync runs in a ``lax.cond`` on the H-th step).
+  ``shard_map`` (the sync runs in a ``lax.cond`` on the H-th step);
+- with ``--spread``: CO2's round with its delayed payload in a chunk per inner step
+  (``spread=H``, the TPU default) against the same round unspread, both with the
+  ``all_gather`` reducer; and Streaming DiLoCo (2 fragments, tau = 2) against DiLoCo's round
+  (targets: <= 1.05x and <= 1.1x).
 
 Each call is timed (blocked on) after two warm-up calls that include compilation; calls of
 the programs are interleaved round-robin and the median over ``--reps`` is reported, with the
@@ -21,6 +25,7 @@ synchronously (nothing overlaps), so the ratios measure per-step overhead of the
 program (plus a per-round sync), not communication hiding.
 
     JAX_PLATFORMS=cpu python benchmarks/inner_step_overhead.py [--sync-every 8] [--reps 5]
+    JAX_PLATFORMS=cpu python benchmarks/inner_step_overhead.py --spread
 """
 
 from __future__ import annotations
@@ -136,6 +141,22 @@ def main(args) -> None:
 
         runs[f"local_updates scan {name}"] = run_adapter
 
+    if args.spread:
+        co2 = C.outer_algorithms()["co2"]
+        for label, spread in [("unspread", False), ("spread", H)]:
+            trainer = co2jax.RoundTrainer(
+                C.loss_fn, inner, co2(), mesh, H, reducer="all_gather", spread=spread
+            )
+            held = [trainer.init(params0)]
+            runs[f"round co2 all_gather {label}"] = lambda t=trainer, h=held: _advance(t, h, batch)
+        frags = co2jax.fragments.make_fragments(params0, 2, stacked="scale|w1|b1|w2")
+        nesterov = optax.sgd(0.7, momentum=0.9, nesterov=True)
+        trainer = co2jax.RoundTrainer(
+            C.loss_fn, inner, co2jax.streaming_diloco(nesterov, frags, H, tau=2), mesh, H
+        )
+        held = [trainer.init(params0)]
+        runs["round streaming_diloco tau=2"] = lambda t=trainer, h=held: _advance(t, h, batch)
+
     # warm up (compile + one more call), then time round-robin
     for name, run in runs.items():
         start = time.perf_counter()
@@ -183,6 +204,11 @@ def main(args) -> None:
     )
 
 
+def _advance(trainer, held, batch):
+    held[0], metrics = trainer.round(held[0], batch)
+    return metrics.loss
+
+
 def _parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--replica", type=int, default=2)
@@ -194,6 +220,9 @@ def _parse_args():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--raw", action="store_true", help="print every call's time")
+    parser.add_argument(
+        "--spread", action="store_true", help="also time spread and Streaming DiLoCo rounds"
+    )
     return C.check_mesh_args(parser, parser.parse_args())
 
 

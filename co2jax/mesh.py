@@ -99,7 +99,10 @@ def make_mesh(
             (per_slice, sizes[DATA], sizes[MODEL]), (slices, 1, 1), devices
         )
     elif devices[0].platform in ("tpu", "gpu", "cuda", "rocm"):
-        grid = mesh_utils.create_device_mesh(shape, devices)
+        try:
+            grid = mesh_utils.create_device_mesh(shape, devices)
+        except NotImplementedError:  # e.g. an axis of 8 on a 4x4 slice: split a physical axis
+            grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     else:
         grid = np.array(devices, dtype=object).reshape(shape)
     return Mesh(grid, AXES, axis_types=(axis_type,) * len(AXES))

@@ -9,6 +9,18 @@ DiLoCo in float32 and FP4, SparseLoCo) on the emulated 8-device CPU mesh (4 repl
 excess over the data's entropy floor, bytes sent per replica, ratio to DDP, tokens/s,
 simulated wall clock) and PNG plots of loss against tokens, bytes and simulated wall clock.
 
+A sweep is robust to its users:
+
+- every row's full config is resolved and validated before the first run starts; an invalid
+  row refuses the whole sweep with a one-line error naming the row (exit code 2);
+- each run's resolved config has a content hash (SHA-256 of its canonical JSON); a run whose
+  ``runs/<row>/result.json`` is present with the same hash is reused, not rerun (``--rerun``
+  runs everything again);
+- ``report.md``, ``summary.json`` and the plots are rewritten after every row; a row that
+  raises is recorded with its error and the sweep goes on (exit code 1 at the end);
+- Ctrl-C leaves a valid partial report (the rows not reached are marked "not run") and
+  exits with 130.
+
 The simulated wall clock combines the measured compute time per inner step with a cost model
 of the link between replicas: a ring all-reduce of N bytes over R replicas costs
 ``2 (R-1)/R * N * 8 / bandwidth + 2 (R-1) * latency``. Synchronous algorithms wait for it; an
@@ -21,168 +33,292 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
+import os
+import shutil
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from co2jax.algorithms import registry
+from experiments import checks, train
 from experiments import config as config_lib
-from experiments import train
+from experiments import model as model_lib
+from experiments.report import progress_line, write_atomic, write_report
+from experiments.sweep_rows import COMPRESSION, PRESET_FIXES, SWEEP, Link, row_flag, summarise
 
-# (label, overrides): every run sees the same tokens (same rounds, H, batch, seq_len, seed)
-SWEEP = [
-    ("DDP", ["outer.algorithm=ddp"]),
-    ("Local SGD", ["outer.algorithm=local_sgd"]),
-    ("DiLoCo", ["outer.algorithm=diloco"]),
-    ("Delayed DiLoCo (naive)", ["outer.algorithm=delayed_diloco"]),
-    ("Eager DiLoCo", ["outer.algorithm=eager_diloco"]),
-    # the paper's ablation: a naive delay with a lower outer learning rate (and eager alike)
-    (
-        "Delayed DiLoCo (outer lr 0.35)",
-        ["outer.algorithm=delayed_diloco", "outer.learning_rate=0.35"],
-    ),
-    ("Eager DiLoCo (outer lr 0.35)", ["outer.algorithm=eager_diloco", "outer.learning_rate=0.35"]),
-    ("CO2", ["outer.algorithm=co2", "outer.learning_rate=1.0", "outer.momentum=0.0"]),
-    (
-        "CO2 + penalty + clip",
-        [
-            "outer.algorithm=co2",
-            "outer.learning_rate=1.0",
-            "outer.momentum=0.2",
-            "outer.penalty=gap_aware",
-            "outer.clip_threshold=0.02",
-        ],
-    ),
-    # fragments, compressed pseudo-gradients, sparse error feedback. Streaming DiLoCo uses
-    # DiLoCo's outer optimizer and alpha = 0 (the paper's alpha 0.5 with outer lr 0.4 was
-    # 0.02 worse here); FP4 goes through the two-step collective (2 (R-1)/R encoded
-    # payloads per replica). SparseLoCo: lr 1, top 32 of 4096, 2-bit values (ALGORITHMS.md).
-    ("DiLoCo int8", ["outer.algorithm=diloco", "outer.compression=int8"]),
-    ("Streaming DiLoCo", ["outer.algorithm=streaming_diloco", "outer.alpha=0.0"]),
-    (
-        "Streaming DiLoCo FP4",
-        [
-            "outer.algorithm=streaming_diloco",
-            "outer.alpha=0.0",
-            "outer.compression=fp4",
-            "outer.collective=two_step",
-        ],
-    ),
-    ("SparseLoCo", ["outer.algorithm=sparseloco", "outer.learning_rate=1.0"]),
-]
-# --sweep compression: the rows that compare bandwidth (run it with a larger H, see docs)
-COMPRESSION = [
-    "DDP",
-    "DiLoCo",
-    "DiLoCo int8",
-    "Streaming DiLoCo",
-    "Streaming DiLoCo FP4",
-    "SparseLoCo",
-]
+# the cost model is documented as experiments.compare.simulated_round_s (benchmarks import it)
+from experiments.sweep_rows import simulated_round_s as simulated_round_s
 
-PUBLISHED = """\
-Published ordering (ALGORITHMS.md; Kale, Douillard, Donchev, arXiv 2502.12996, Table 2, 500M
-model, H=30): no overlap (DiLoCo) 2.67 eval loss; naive one-outer-step delay 3.01 (2.73 with a
-lower outer learning rate); eager updates 2.69. DiLoCo (arXiv 2311.08105): 8 replicas match
-fully synchronous training while communicating 500x less. Streaming DiLoCo (arXiv 2501.18512):
-400x fewer bits than data parallel at equal quality with FP4 (1B, Dolma). SparseLoCo (arXiv
-2508.15706): 1-3% density with 2-bit values beats full-precision DiLoCo."""
+RESULT = "result.json"  # a finished run: {"hash", "label", "history", "entropy_rate", "run_s"}
 
 
-@dataclasses.dataclass(frozen=True)
-class Link:
-    bandwidth_gbps: float = 1.0
-    latency_ms: float = 10.0
-    overlap_slowdown: float = 0.189
-
-    def allreduce_s(self, nbytes: float, replicas: int) -> float:
-        if replicas <= 1 or nbytes <= 0:
-            return 0.0
-        ring = 2 * (replicas - 1) / replicas * nbytes * 8 / (self.bandwidth_gbps * 1e9)
-        return ring + 2 * (replicas - 1) * self.latency_ms / 1e3
-
-    def exchange_s(self, nbytes: float, replicas: int) -> float:
-        """Every replica sends its whole payload to each of the R-1 others over its own link
-        (the multi-job exchange, ``co2jax.multijob``): ``(R-1) N`` bytes up each link, and
-        one latency per peer pulled in turn."""
-        if replicas <= 1 or nbytes <= 0:
-            return 0.0
-        up = (replicas - 1) * nbytes * 8 / (self.bandwidth_gbps * 1e9)
-        return up + (replicas - 1) * self.latency_ms / 1e3
+# ---------------------------------------------------------------------------------------------
+# the sweep: planned and validated up front, one row at a time, finished runs reused
 
 
-def simulated_round_s(
-    algorithm: str,
-    step_s: float,
-    H: int,
-    payload_bytes: float,
-    R: int,
-    link: Link,
-    fragments: int = 1,
-    tau: int = 0,
-    exchange: str = "ring",
-    overlapped: bool | None = None,
-) -> float:
-    """Simulated seconds of one round (H inner steps and the sync): the project's cost model.
+class SweepError(ValueError):
+    """A row whose config cannot run: raised before any run starts."""
 
-    ``exchange`` is how a payload crosses the link: ``"ring"`` (an in-program ring
-    all-reduce, :meth:`Link.allreduce_s`) or ``"all_to_all"`` (the multi-job exchange,
-    :meth:`Link.exchange_s`). A synchronous algorithm waits for it; a delayed one
-    (the registry's ``delayed`` capability, or ``overlapped`` as a run recorded it) hides it
-    behind the round's compute, up to that compute, which it slows by
-    ``link.overlap_slowdown``. An algorithm that syncs fragments (Streaming DiLoCo) sends
-    ``fragments`` reductions of ``payload_bytes / fragments`` each, and each one hides behind
-    ``tau`` inner steps. One that communicates every step (DDP) pays the cost every step.
+
+def config_hash(cfg: config_lib.Config) -> str:
+    """The content hash of a resolved config: SHA-256 of its canonical JSON (sorted keys, no
+    whitespace), first 16 hex digits. Equal configs hash equally in any process."""
+    text = json.dumps(config_lib.to_dict(cfg), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def validate_config(cfg: config_lib.Config, device_count: int | None = None) -> None:
+    """Every check that can run before training: the experiment config's whole validation
+    (fields, the outer algorithm through the registry, the model, the mesh against
+    ``device_count``), what the config names on disk (``checks.check_paths``, where the config
+    module has it) and the model's shape. Raises ValueError naming the field."""
+    checks.validate(cfg, device_count)
+    check_paths = getattr(checks, "check_paths", None)
+    if check_paths is not None:
+        check_paths(cfg)
+    sizes = {
+        k: v
+        for k, v in dataclasses.asdict(cfg.model).items()
+        if k in ("d_model", "n_layers", "n_heads", "d_ff") and v is not None
+    }
+    model_lib.preset(
+        cfg.model.preset,
+        vocab_size=max(int(cfg.data.vocab_size), 1),  # the data may set it; checked there
+        max_seq_len=cfg.data.seq_len,
+        dtype=cfg.model.dtype,
+        **sizes,
+    )
+
+
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(error).split()) or "(no message)"
+    text = f"{type(error).__name__}: {text}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# outer fields only one algorithm reads (``registry.OuterConfig``'s comments)
+_ONLY_FOR = {
+    "fragments": "streaming_diloco",
+    "tau": "streaming_diloco",
+    "alpha": "streaming_diloco",
+    "decay": "sparseloco",
+    "topk": "sparseloco",
+    "chunk": "sparseloco",
+}
+
+
+def _outer_hyper(cfg: config_lib.Config) -> dict:
+    """The outer algorithm's fields that differ from the library's defaults (and its name),
+    less those only another algorithm reads."""
+    default = dataclasses.asdict(registry.OuterConfig())
+    algorithm = cfg.outer.algorithm
+    return {
+        k: v
+        for k, v in dataclasses.asdict(cfg.outer).items()
+        if k == "algorithm" or (v != default[k] and _ONLY_FOR.get(k, algorithm) == algorithm)
+    }
+
+
+def plan_sweep(
+    base: config_lib.Config,
+    out: Path,
+    sweep=SWEEP,
+    seeds: int = 1,
+    device_count: int | None = None,
+    fixes: dict[str, list[str]] | None = None,
+    command_line: Sequence[str] = (),
+) -> list[dict]:
+    """Resolves and validates every run of every row before anything runs.
+
+    ``fixes`` maps an algorithm to overrides applied before the row's own to the rows that
+    run it (:data:`PRESET_FIXES`). Returns one entry per row: ``label``, ``overrides`` (the
+    fix's and the row's), ``slug`` and ``runs`` (per seed: the resolved ``cfg``, its ``dir``
+    under ``out/runs`` and its content ``hash``). Raises :class:`SweepError` with one line
+    naming the first bad row, its overrides and the refused setting (``command_line``: the
+    overrides ``base`` was given, to say where a setting came from).
     """
-    caps = registry.REGISTRY[algorithm].capabilities
-    overlapped = caps.delayed if overlapped is None else overlapped
-    if exchange not in ("ring", "all_to_all"):
-        raise ValueError(f"exchange must be 'ring' or 'all_to_all', got exchange={exchange!r}")
-    cost = link.allreduce_s if exchange == "ring" else link.exchange_s
-    compute = H * step_s
-    if caps.every_step:
-        return H * (step_s + cost(payload_bytes, R))
-    if caps.fragments:
-        comm = cost(payload_bytes / fragments, R)
-        hidden = min(comm, tau * step_s)
-        return compute + fragments * (link.overlap_slowdown * hidden + comm - hidden)
-    comm = cost(payload_bytes, R)
-    if overlapped:
-        hidden = min(comm, compute)
-        return compute + link.overlap_slowdown * hidden + (comm - hidden)
-    return compute + comm
+    plan, slugs = [], {}
+    for index, (label, row_overrides) in enumerate(sweep, 1):
+        named = f"row {index} {label!r} [{' '.join(row_overrides) or 'no overrides'}]"
+        try:
+            algorithm = config_lib.override(base, list(row_overrides)).outer.algorithm
+        except ValueError as e:
+            raise SweepError(f"{named}: {_refused(e, row_overrides, command_line)}") from None
+        overrides = [*(fixes or {}).get(algorithm, []), *row_overrides]
+        slug = _slug(label)
+        if slug in slugs:
+            raise SweepError(f"{named}: its run directory runs/{slug} is row {slugs[slug]}'s")
+        slugs[slug] = index
+        runs = []
+        for k in range(seeds):
+            seed = base.train.seed + k
+            suffix = f"-seed{seed}" if k else ""
+            run_dir = out / "runs" / (slug + suffix)
+            # a preset that checkpoints: each run in its own directory, not one shared by all
+            own = [f"checkpoint.dir={run_dir / 'checkpoints'}"] if base.checkpoint.dir else []
+            named_seed = [f"name={base.name}-{slug}{suffix}", f"train.seed={seed}"]
+            try:
+                cfg = config_lib.override(base, [*own, *overrides, *named_seed])
+                validate_config(cfg, device_count)
+            except ValueError as e:
+                raise SweepError(f"{named}: {_refused(e, overrides, command_line)}") from None
+            runs.append({"cfg": cfg, "dir": run_dir, "hash": config_hash(cfg)})
+        plan.append({"label": label, "overrides": list(overrides), "slug": slug, "runs": runs})
+    return plan
+
+
+def _keys(overrides: Sequence[str]) -> set[str]:
+    return {item.split("=", 1)[0].strip() for item in overrides}
+
+
+def _refused(error: ValueError, overrides: Sequence[str], command_line=()) -> str:
+    """The refusal on one line, naming the override as typed where one set the field, and
+    where the setting came from when not from the row."""
+    typed = getattr(error, "typed", None)  # experiments.config.ConfigError
+    text = typed([*command_line, *overrides]) if callable(typed) else str(error)
+    text = " ".join(text.split())
+    key = getattr(error, "key", None) or str(error).split("=", 1)[0].split(":", 1)[0].strip()
+    if key in _keys(overrides):
+        return text
+    if key in _keys(command_line):
+        return f"{text} (set on the command line)"
+    return f"{text} (from the preset or the defaults)"
+
+
+def run_one(cfg: config_lib.Config, run_dir: Path) -> dict:
+    """Trains one run of one row: ``{"history": [...], "entropy_rate": float | None}``."""
+    result = train.train(cfg, out_dir=str(run_dir))
+    return {"history": result.history, "entropy_rate": result.entropy_rate}
+
+
+def _load_result(run: dict) -> dict | None:
+    """The run's finished result if its file is there and was made from the same config."""
+    path = run["dir"] / RESULT
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("hash") != run["hash"]:
+        return None
+    if not record.get("history"):
+        return None
+    return record
+
+
+def _base_row(entry: dict, out: Path) -> dict:
+    first = entry["runs"][0]
+    cfg = first["cfg"]
+    return {
+        "label": entry["label"],
+        "status": "not run",
+        "algorithm": cfg.outer.algorithm,
+        "overrides": entry["overrides"],
+        "hyper": _outer_hyper(cfg),
+        "hash": first["hash"],
+        "config": os.path.relpath(first["dir"] / "config.json", out),
+        "vocab_size": cfg.data.vocab_size,
+    }
+
+
+def _run_row(entry: dict, out: Path, link: Link, rerun: bool) -> dict:
+    """One row: each seed's run reused or trained; a run that raises fails the row (its error
+    recorded on one line); KeyboardInterrupt goes through."""
+    row = _base_row(entry, out)
+    losses, summary, ran, reused = [], None, 0, 0
+    try:
+        for run in entry["runs"]:
+            cfg, run_dir = run["cfg"], run["dir"]
+            record = None if rerun else _load_result(run)
+            if record is None:
+                # the sweep owns runs/<row>: what an earlier, unfinished or stale run left
+                # there goes (the training driver refuses a directory holding another run)
+                shutil.rmtree(run_dir, ignore_errors=True)
+                began = time.perf_counter()
+                done = run_one(cfg, run_dir)
+                record = {
+                    "hash": run["hash"],
+                    "label": entry["label"],
+                    "history": done["history"],
+                    "entropy_rate": done["entropy_rate"],
+                    "run_s": time.perf_counter() - began,
+                }
+                write_atomic(run_dir / RESULT, json.dumps(record))
+                ran += 1
+            else:
+                reused += 1
+            history = record["history"]
+            losses.append(float(history[-1]["eval_loss"]))
+            if summary is None:
+                summary = summarise(
+                    entry["label"], cfg, history, record["entropy_rate"], link, record["run_s"]
+                )
+    except Exception as e:  # any failure of one row: recorded, and the sweep goes on
+        if _is_interrupt(e):  # Ctrl-C that the driver turned into a stop at a round's end
+            raise KeyboardInterrupt(str(e)) from e
+        for run in entry["runs"]:  # the report links each row's config, ran or not
+            if not (run["dir"] / "config.json").exists():
+                run["dir"].mkdir(parents=True, exist_ok=True)
+                (run["dir"] / "config.json").write_text(config_lib.to_json(run["cfg"]))
+        row.update(status="failed", error=_one_line(e), ran=ran, reused=reused)
+        return row
+    row.update(summary)
+    row.update(status="done", ran=ran, reused=reused, seed_losses=losses)
+    row["eval_loss"] = float(np.mean(losses))
+    row["eval_std"] = float(np.std(losses, ddof=1)) if len(losses) > 1 else None
+    if row["entropy"] is not None:
+        row["excess"] = row["eval_loss"] - row["entropy"]
+    row["flag"] = row_flag(row)
+    return row
+
+
+def _is_interrupt(error: BaseException) -> bool:
+    """The training driver's stop on SIGINT/SIGTERM (``train.Interrupted``, where it has one)."""
+    interrupted = getattr(train, "Interrupted", None)
+    return isinstance(interrupted, type) and isinstance(error, interrupted)
 
 
 def run_sweep(
-    base: config_lib.Config, out: Path, link: Link, sweep=SWEEP, seeds: int = 1
+    base: config_lib.Config,
+    out: Path,
+    link: Link,
+    sweep=SWEEP,
+    seeds: int = 1,
+    *,
+    rerun: bool = False,
+    report: bool = True,
+    fixes: dict[str, list[str]] | None = None,
+    command_line: Sequence[str] = (),
 ) -> list[dict]:
     """One row per entry of ``sweep``. With ``seeds > 1`` each entry also runs with
     ``train.seed`` + 1, + 2, ...: the row keeps the first seed's curves and reports the final
-    eval loss's mean and seed-to-seed standard deviation."""
-    rows = []
-    for label, overrides in sweep:
-        losses, row = [], None
-        for k in range(seeds):
-            seed = base.train.seed + k
-            name = f"{base.name}-{_slug(label)}" + (f"-seed{seed}" if k else "")
-            cfg = config_lib.override(base, [*overrides, f"name={name}", f"train.seed={seed}"])
-            began = time.perf_counter()
-            run_dir = out / "runs" / (_slug(label) + (f"-seed{seed}" if k else ""))
-            result = train.train(cfg, out_dir=str(run_dir))
-            elapsed = time.perf_counter() - began
-            losses.append(result.history[-1]["eval_loss"])
-            if row is None:
-                row = _summarise(label, cfg, result.history, result.entropy_rate, link, elapsed)
-        row["seed_losses"] = losses
-        row["eval_loss"] = float(np.mean(losses))
-        row["eval_std"] = float(np.std(losses, ddof=1)) if seeds > 1 else None
-        if row["entropy"] is not None:
-            row["excess"] = row["eval_loss"] - row["entropy"]
-        rows.append(row)
-        spread = "" if seeds == 1 else f" +- {row['eval_std']:.4f} ({seeds} seeds)"
-        print(f"  {label:<24} eval {row['eval_loss']:.4f}{spread}  ({row['run_s']:.0f}s)")
+    eval loss's mean and seed-to-seed standard deviation.
+
+    Every row is validated first (:class:`SweepError`, nothing run). A run whose result file
+    matches its config hash is reused unless ``rerun``. With ``report``, ``out/report.md`` and
+    the plots are rewritten after every row; on KeyboardInterrupt the report (rows done so far,
+    the rest "not run") is written and the interrupt re-raised.
+    """
+    out = Path(out)
+    train._setup_devices(base)  # before the first device query starts JAX's backend
+    import jax
+
+    plan = plan_sweep(base, out, sweep, seeds, jax.device_count(), fixes, command_line)
+    rows = [_base_row(entry, out) for entry in plan]
+    try:
+        for i, entry in enumerate(plan):
+            rows[i] = row = _run_row(entry, out, link, rerun)
+            print(progress_line(row, seeds), flush=True)
+            if report:
+                write_report(rows, base, out, link)
+    except KeyboardInterrupt:
+        if report:
+            write_report(rows, base, out, link, interrupted=True)
+        raise
     return rows
 
 
@@ -190,118 +326,9 @@ def _slug(label: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in label.lower()).strip("-")
 
 
-def _summarise(label, cfg, history, entropy, link, run_s) -> dict:
-    R, H = cfg.mesh.replica, cfg.train.sync_every
-    steady = [r["seconds"] for r in history[1:]] or [history[0]["seconds"]]
-    step_s = float(np.median(steady)) / H  # round 1 includes compilation
-    per_round = history[-1]["bytes_total"] / len(history)
-    # payload bytes per reduction, from the ring traffic 2(R-1)/R * N per replica
-    reductions = H if registry.REGISTRY[cfg.outer.algorithm].capabilities.every_step else 1
-    payload = per_round / reductions / (2 * (R - 1) / R) if R > 1 else 0.0
-    sim = simulated_round_s(
-        cfg.outer.algorithm,
-        step_s,
-        H,
-        payload,
-        R,
-        link,
-        cfg.outer.fragments,
-        cfg.outer.tau,
-        overlapped=history[-1].get("overlapped"),
-    )
-    evals = [(r["tokens"], r["eval_loss"]) for r in history if "eval_loss" in r]
-    return {
-        "label": label,
-        "algorithm": cfg.outer.algorithm,
-        "eval_loss": history[-1]["eval_loss"],
-        "excess": None if entropy is None else history[-1]["eval_loss"] - entropy,
-        "entropy": entropy,
-        "bytes_total": history[-1]["bytes_total"],
-        "tokens": history[-1]["tokens"],
-        "tokens_per_s": history[-1]["tokens"] / (step_s * H * len(history)),
-        "sim_s": sim * len(history),
-        "run_s": run_s,
-        "curve_tokens": [t for t, _ in evals],
-        "curve_loss": [v for _, v in evals],
-        "curve_bytes": [r["bytes_total"] for r in history if "eval_loss" in r],
-        "curve_sim_s": [sim * r["round"] for r in history if "eval_loss" in r],
-    }
-
-
-def write_report(rows: list[dict], base: config_lib.Config, out: Path, link: Link) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
-    ddp = next((r for r in rows if r["algorithm"] == "ddp"), None)
-    plots = []
-    for key, xlabel, name, log in [
-        ("curve_tokens", "tokens", "loss_vs_tokens.png", False),
-        ("curve_bytes", "bytes sent per replica", "loss_vs_bytes.png", True),
-        ("curve_sim_s", "simulated wall clock (s)", "loss_vs_wallclock.png", False),
-    ]:
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for i, r in enumerate(rows):
-            xs = np.maximum(np.asarray(r[key], dtype=float), 1.0) if log else r[key]
-            style = "-" if i < 10 else "--"  # the default cycle has 10 colours
-            ax.plot(xs, r["curve_loss"], style, marker="o", ms=3, label=r["label"])
-        if rows and rows[0]["entropy"] is not None:
-            ax.axhline(rows[0]["entropy"], color="k", ls=":", lw=1, label="entropy floor")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("eval loss (nats/token)")
-        if log:
-            ax.set_xscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
-        plt.close(fig)
-        plots.append(name)
-
-    seeds = len(rows[0].get("seed_losses", [None])) if rows else 1
-    lines = [
-        f"# co2jax comparison: {base.name}",
-        "",
-        f"{base.mesh.replica} replicas x {base.mesh.data} data shards, H={base.train.sync_every},"
-        f" {base.train.rounds} rounds, {rows[0]['tokens']:,} training tokens per run; "
-        f"data `{base.data.kind}`"
-        + (f" (entropy floor {rows[0]['entropy']:.4f} nats/token)" if rows[0]["entropy"] else "")
-        + ".",
-        f"Simulated link: {link.bandwidth_gbps} Gbit/s, {link.latency_ms} ms latency, overlap "
-        f"slows compute by {link.overlap_slowdown:.1%}."
-        + (
-            f" Eval loss: mean ± standard deviation over {seeds} seeds (the other columns:"
-            " the first seed)."
-            if seeds > 1
-            else " One seed per algorithm (`--seeds N` for the seed-to-seed spread)."
-        ),
-        "",
-        "| algorithm | eval loss | excess over entropy | MB sent / replica | vs DDP | tokens/s "
-        "(measured) | simulated wall clock (s) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        excess = "n/a" if r["excess"] is None else f"{r['excess']:.4f}"
-        ratio = (
-            f"{r['bytes_total'] / ddp['bytes_total']:.4f}" if ddp and ddp["bytes_total"] else "n/a"
-        )
-        loss = f"{r['eval_loss']:.4f}"
-        if r.get("eval_std") is not None:
-            loss += f" ± {r['eval_std']:.4f}"
-        lines.append(
-            f"| {r['label']} | {loss} | {excess} | {r['bytes_total'] / 1e6:.2f} "
-            f"| {ratio} | {r['tokens_per_s']:,.0f} | {r['sim_s']:.1f} |"
-        )
-    lines += ["", PUBLISHED, "", *[f"![{p}]({p})" for p in plots], ""]
-    path = out / "report.md"
-    path.write_text("\n".join(lines))
-    (out / "summary.json").write_text(json.dumps(rows, indent=1))
-    return path
-
-
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit code: 0, 1 (a row failed), 2 (a bad config or
+    argument: nothing ran) or 130 (interrupted: the partial report is written)."""
     parser = argparse.ArgumentParser(description="co2jax comparison report")
     parser.add_argument("--preset", default="cpu-tiny", choices=sorted(config_lib.PRESETS))
     parser.add_argument("--out", default=None, help="default: results/<preset>")
@@ -317,6 +344,11 @@ def main(argv: list[str] | None = None) -> None:
         choices=["all", "compression"],
         help="all: every algorithm; compression: DDP, DiLoCo and the compressed/streamed rows",
     )
+    parser.add_argument(
+        "--rerun",
+        action="store_true",
+        help="run every row again (default: reuse runs whose result matches their config hash)",
+    )
     parser.add_argument("overrides", nargs="*", help="section.field=value, for every run")
     args = parser.parse_args(argv)
     for name, value in [
@@ -327,19 +359,48 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{name} must be > 0, got {value}")
     if args.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {args.seeds}")
-    base = config_lib.override(
-        config_lib.preset(args.preset), ["log.progress=false", *args.overrides]
-    )
-    config_lib.validate(base)
+    typed = _keys(args.overrides)
+    fixes = {  # a setting given on the command line replaces the preset's fix
+        algorithm: [item for item in items if item.split("=", 1)[0] not in typed]
+        for algorithm, items in PRESET_FIXES.get(args.preset, {}).items()
+    }
+    try:
+        base = config_lib.override(
+            config_lib.preset(args.preset), ["log.progress=false", *args.overrides]
+        )
+    except ValueError as e:
+        print(f"co2jax compare: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     out = Path(args.out or f"results/{args.preset}")
     link = Link(args.bandwidth_gbps, args.latency_ms, args.overlap_slowdown)
     sweep = SWEEP if args.sweep == "all" else [e for e in SWEEP if e[0] in COMPRESSION]
-    print(f"co2jax compare: preset {args.preset}, {len(sweep)} runs, writing {out}/report.md")
-    rows = run_sweep(base, out, link, sweep=sweep, seeds=args.seeds)
-    path = write_report(rows, base, out, link)
-    print(path.read_text().split("\n\n")[2])
+    print(f"co2jax compare: preset {args.preset}, {len(sweep)} rows, writing {out}/report.md")
+    try:
+        rows = run_sweep(
+            base,
+            out,
+            link,
+            sweep=sweep,
+            seeds=args.seeds,
+            rerun=args.rerun,
+            fixes=fixes,
+            command_line=args.overrides,
+        )
+    except SweepError as e:
+        print(f"co2jax compare: error: nothing ran: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"co2jax compare: interrupted; partial report: {out / 'report.md'}", file=sys.stderr)
+        return 130
+    path = out / "report.md"
+    print("\n".join(ln for ln in path.read_text().splitlines() if ln.startswith("|")))
     print(f"report: {path}")
+    failed = [r["label"] for r in rows if r["status"] == "failed"]
+    if failed:
+        print(f"co2jax compare: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

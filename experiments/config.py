@@ -1,11 +1,13 @@
-"""Typed, frozen run configs: presets, dotted command-line overrides, validation.
+"""Typed, frozen run configs: presets and dotted command-line overrides.
 
 A run is one :class:`Config`: model, data, mesh, inner optimizer, outer algorithm (the
 library's :class:`co2jax.algorithms.registry.OuterConfig`, whose names and checks come from the
 algorithm registry), schedule, evaluation, checkpointing and logging. Presets are functions
 returning a Config; overrides such as ``outer.learning_rate=0.7 mesh.replica=4`` are applied
-by :func:`override`, and :func:`validate` rejects a bad config before anything compiles,
-naming the field.
+by :func:`override`. A refused setting raises :class:`ConfigError`, naming the field as it is
+overridden (``outer.topk=0: must be >= 1``). The checks of every field, before anything is
+built, compiled or written, are in :mod:`experiments.checks` (``validate``, ``load``,
+``check_paths``).
 
 Example:
   >>> cfg = override(preset("cpu-tiny"), ["outer.algorithm=co2", "train.rounds=3"])
@@ -16,19 +18,38 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import types
 import typing
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from co2jax.algorithms import registry
 from co2jax.algorithms.registry import OuterConfig
-from co2jax.kernels.api import IMPLEMENTATIONS  # noqa: F401  (the fused update's choices)
+from co2jax.kernels.api import IMPLEMENTATIONS
+from experiments import model as model_lib
 
 ALGORITHMS = registry.NAMES  # the library's algorithm registry
 DATA_KINDS = ("markov", "text", "stdlib", "tokens")
 SCHEDULES = ("constant", "cosine")
+TOKEN_DTYPES = ("uint16", "uint32")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")  # experiments.model's compute dtypes
+CHOICES = {
+    "model.preset": tuple(model_lib.PRESETS),
+    "model.dtype": MODEL_DTYPES,
+    "data.kind": DATA_KINDS,
+    "data.token_dtype": TOKEN_DTYPES,
+    "inner.schedule": SCHEDULES,
+    "outer.algorithm": ALGORITHMS,
+    "outer.penalty": registry.PENALTIES,
+    "outer.mode": registry.MODES,
+    "outer.implementation": IMPLEMENTATIONS,
+    "outer.compression": registry.COMPRESSIONS,
+    "outer.collective": registry.COLLECTIVES,
+}
+"""The string fields with a fixed set of values."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +98,7 @@ class TrainConfig:
     rounds: int = 20
     sync_every: int = 16
     seed: int = 0
+    max_skipped: int = 3  # rounds in a row skipped by outer.skip_nonfinite before the run stops
 
 
 @dataclass(frozen=True)
@@ -184,24 +206,58 @@ PRESETS = {
 
 def preset(name: str) -> Config:
     if name not in PRESETS:
-        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got preset={name!r}")
+        raise ConfigError("preset", f"must be one of {sorted(PRESETS)}", name)
     return PRESETS[name]()
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
+class ConfigError(ValueError):
+    """A setting refused before anything is built or written, named as it is overridden.
+
+    ``key`` is the dotted field (``outer.topk``), or the text typed for a malformed override;
+    ``why`` is the reason, one line. ``str(error)`` reads ``key=value: why``.
+
+    Example:
+      >>> e = ConfigError("outer.topk", "must be >= 1", 0)
+      >>> str(e), e.typed(["train.rounds=3", "outer.topk = 0"])
+      ('outer.topk=0: must be >= 1', 'outer.topk = 0: must be >= 1')
+    """
+
+    def __init__(self, key: str, why: str, *value: Any):
+        self.key, self.why = key, why.replace("\n", " ")
+        head = f"{key}={value[0]!r}" if value else key
+        super().__init__(f"{head}: {self.why}")
+
+    def typed(self, overrides: Sequence[str]) -> str:
+        """The message with the override as the user typed it, when one of them set ``key``."""
+        for item in reversed(list(overrides)):
+            if item.split("=", 1)[0].strip() == self.key:
+                return f"{item.strip()}: {self.why}"
+        return str(self)
 
 
 # ---------------------------------------------------------------------------------------------
 # overrides
 
 
-def _convert(text: str, annotation: Any, key: str) -> Any:
-    """Parses ``text`` as the annotated type (int, float, bool, str, or X | None)."""
+def _hint(annotation: Any) -> tuple[Any, bool]:
+    """``(type, accepts None)`` of a field annotation (int, float, bool, str, or X | None)."""
     hint = annotation
     if isinstance(hint, str):
         hint = eval(hint, {"int": int, "float": float, "bool": bool, "str": str})
-    args = typing.get_args(hint)
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        if text.lower() in ("none", "null"):
-            return None
-        hint = next(a for a in args if a is not type(None))
+        return next(a for a in typing.get_args(hint) if a is not type(None)), True
+    return hint, False
+
+
+def _convert(text: str, annotation: Any, key: str) -> Any:
+    """Parses ``text`` as the annotated type (int, float, bool, str, or X | None)."""
+    hint, optional = _hint(annotation)
+    if optional and text.lower() in ("none", "null"):
+        return None
     try:
         if hint is bool:
             if text.lower() not in ("true", "false", "1", "0"):
@@ -209,35 +265,65 @@ def _convert(text: str, annotation: Any, key: str) -> Any:
             return text.lower() in ("true", "1")
         return hint(text)
     except ValueError:
-        raise ValueError(
-            f"override {key}={text!r}: expected {getattr(hint, '__name__', hint)}"
-        ) from None
+        kind = hint.__name__ + (" or none" if optional else "")
+        raise ConfigError(key, f"expected {kind}", text) from None
 
 
 def override(config: Config, items: list[str]) -> Config:
     """Applies dotted overrides like ``["outer.learning_rate=0.7", "mesh.replica=2"]``."""
     for item in items:
         if "=" not in item:
-            raise ValueError(f"override must look like section.field=value, got {item!r}")
+            raise ConfigError(item.strip(), "an override must look like section.field=value")
         key, text = item.split("=", 1)
-        parts = key.strip().split(".")
-        config = _set(config, parts, text.strip(), key)
+        key = key.strip()
+        config = _set(config, key.split("."), text.strip(), key)
     return config
 
 
-def _set(node: Any, parts: list[str], text: str, key: str) -> Any:
+def _set(node: Any, parts: list[str], text: str, key: str, where: str = "") -> Any:
     names = {f.name: f for f in dataclasses.fields(node)}
     if parts[0] not in names:
-        raise ValueError(f"unknown config field {key!r} (known here: {sorted(names)})")
+        near = difflib.get_close_matches(parts[0], names, n=1)
+        hint = f"; did you mean {where}{near[0]}?" if near else ""
+        known = ", ".join(sorted(names))
+        section = where[:-1] or "the config"
+        raise ConfigError(key, f"unknown config field {key!r} ({section} has {known}){hint}")
     f = names[parts[0]]
     current = getattr(node, parts[0])
     if len(parts) == 1:
         if dataclasses.is_dataclass(current):
-            raise ValueError(f"{key!r} is a section; set one of its fields")
+            first = dataclasses.fields(current)[0].name
+            raise ConfigError(
+                key, f"{key!r} is a section; set one of its fields ({key}.{first}=...)"
+            )
         return dataclasses.replace(node, **{f.name: _convert(text, f.type, key)})
     if not dataclasses.is_dataclass(current):
-        raise ValueError(f"unknown config field {key!r}")
-    return dataclasses.replace(node, **{f.name: _set(current, parts[1:], text, key)})
+        raise ConfigError(key, f"unknown config field {key!r} ({where}{f.name} has no fields)")
+    value = _set(current, parts[1:], text, key, f"{where}{f.name}.")
+    return dataclasses.replace(node, **{f.name: value})
+
+
+def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    """``(dotted name, field, value)`` of every setting, in declaration order."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f, value
+
+
+def describe() -> str:
+    """Every config field with its type and default, for ``--help`` (a preset changes some)."""
+    lines = [
+        "config fields, set as section.field=value (the config classes' defaults: a preset",
+        "changes some, --print-config shows the resolved config):",
+    ]
+    for key, f, default in _leaves(Config()):
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        choices = f"  one of: {', '.join(CHOICES[key])}" if key in CHOICES else ""
+        lines.append(f"  {key:<26} {kind:<13} {default!r}{choices}")
+    return "\n".join(lines)
 
 
 def to_dict(config: Config) -> dict:
@@ -268,53 +354,11 @@ def from_dict(d: dict) -> Config:
         if key == "name":
             kwargs[key] = value
         elif key in SECTIONS:
+            known = {f.name for f in dataclasses.fields(SECTIONS[key])}
+            for name in value:
+                if name not in known:
+                    raise ConfigError(f"{key}.{name}", "unknown config field")
             kwargs[key] = SECTIONS[key](**value)
         else:
-            raise ValueError(f"unknown config field {key!r}")
+            raise ConfigError(key, f"unknown config field {key!r}")
     return Config(**kwargs)
-
-
-# ---------------------------------------------------------------------------------------------
-# validation
-
-
-def _fail(field_name: str, value: Any, why: str) -> None:
-    raise ValueError(f"{field_name}={value!r}: {why}")
-
-
-def validate(config: Config, device_count: int | None = None) -> Config:
-    """Checks every field that can be checked before compiling; returns ``config``."""
-    o, d, m, t, i = config.outer, config.data, config.mesh, config.train, config.inner
-    if t.sync_every < 1:
-        _fail("train.sync_every", t.sync_every, "H must be >= 1")
-    registry.validate(o, t.sync_every)
-    if t.rounds < 1:
-        _fail("train.rounds", t.rounds, "must be >= 1")
-    if i.learning_rate <= 0:
-        _fail("inner.learning_rate", i.learning_rate, "must be > 0")
-    if i.schedule not in SCHEDULES:
-        _fail("inner.schedule", i.schedule, f"must be one of {SCHEDULES}")
-    if d.kind not in DATA_KINDS:
-        _fail("data.kind", d.kind, f"must be one of {DATA_KINDS}")
-    if d.kind in ("text", "tokens") and not d.path:
-        _fail("data.path", d.path, f"is required for data.kind={d.kind!r}")
-    if d.batch < 1 or d.seq_len < 1:
-        _fail("data.batch" if d.batch < 1 else "data.seq_len", min(d.batch, d.seq_len), ">= 1")
-    sizes = {"mesh.replica": m.replica, "mesh.data": m.data, "mesh.model": m.model}
-    for name, size in sizes.items():
-        if size != -1 and size < 1:
-            _fail(name, size, "must be >= 1 or -1 (fill)")
-    if m.data > 0 and d.batch % m.data:
-        _fail("data.batch", d.batch, f"must be a multiple of mesh.data={m.data}")
-    if device_count is not None:
-        fixed = [s for s in sizes.values() if s != -1]
-        product = 1
-        for s in fixed:
-            product *= s
-        if device_count % product or (len(fixed) == 3 and product != device_count):
-            _fail(
-                "mesh.replica",
-                m.replica,
-                f"mesh sizes {tuple(sizes.values())} do not fit {device_count} devices",
-            )
-    return config

@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -32,9 +33,12 @@ from jax.sharding import PartitionSpec as P
 import co2jax
 from co2jax.algorithms import registry
 from co2jax.fragments import make_fragments
+from experiments import checkpoints as ckpt_lib
+from experiments import checks, rundir
 from experiments import config as config_lib
 from experiments import data as data_lib
 from experiments import model as model_lib
+from experiments.rundir import Diverged, Interrupted, RunError
 
 
 def _setup_devices(cfg: config_lib.Config) -> None:
@@ -77,7 +81,7 @@ def build_outer(
 def build(cfg: config_lib.Config) -> Run:
     """Everything a run needs; raises ValueError for a bad config before compiling."""
     _setup_devices(cfg)
-    config_lib.validate(cfg, jax.device_count())
+    checks.validate(cfg, jax.device_count())
     t, i = cfg.train, cfg.inner
     streams = data_lib.make_streams(
         dataclasses.asdict(cfg.data),
@@ -167,33 +171,6 @@ def _skipped(state) -> int | None:
     return None if n is None else int(np.asarray(n).max())
 
 
-class _Writers:
-    def __init__(self, out: Path, tensorboard: bool):
-        out.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (out / "metrics.jsonl").open("a")
-        self.tb = None
-        if tensorboard:
-            try:
-                from tensorboardX import SummaryWriter
-
-                self.tb = SummaryWriter(str(out / "tensorboard"))
-            except ImportError:  # optional: pip install co2jax[experiments]
-                self.tb = None
-
-    def write(self, record: dict) -> None:
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
-        if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "round":
-                    self.tb.add_scalar(key, value, record["tokens"])
-
-    def close(self) -> None:
-        self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
-
-
 class Result(NamedTuple):
     history: list[dict]  # one record per round run here (also in metrics.jsonl)
     state: Any  # the final co2jax.TrainState
@@ -204,6 +181,7 @@ def train(
     cfg: config_lib.Config,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     out_dir: str | None = None,
     stop_after: int | None = None,
 ) -> Result:
@@ -213,31 +191,36 @@ def train(
     would); a later ``resume=True`` run continues from the last checkpoint. Checkpoints are
     taken at round boundaries: a resumed run repeats the rounds after the last checkpoint and
     ends bitwise-identical to an uninterrupted one.
-    """
+
+    Refused before anything is written (:class:`RunError`): a run directory or checkpoint
+    directory holding another run (unless ``resume`` or ``overwrite``), ``resume`` without
+    ``checkpoint.dir``, ``resume`` with a config that differs from the stored one in any field
+    (``train.rounds`` too: the schedules span the run). SIGINT/SIGTERM stop at the next
+    round boundary, after a checkpoint (:class:`Interrupted`); a non-finite training loss
+    on every replica, or ``train.max_skipped`` rounds in a row skipped by the outer guard,
+    stop the run (:class:`Diverged`)."""
+    out = Path(out_dir or os.path.join(cfg.log.dir, cfg.name))
+    checks.validate(cfg)  # before claim, which may delete an old run (overwrite)
+    rundir.claim(cfg, out, resume, overwrite)
     run = build(cfg)
     trainer, streams, t = run.trainer, run.streams, cfg.train
-    out = Path(out_dir or os.path.join(cfg.log.dir, cfg.name))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(config_lib.to_json(cfg))
 
     state, start = trainer.init(run.params), 0
-    manager = None
-    if cfg.checkpoint.dir:
-        import orbax.checkpoint as ocp
+    manager = (
+        ckpt_lib.Checkpoints(cfg.checkpoint.dir, cfg.checkpoint.keep)
+        if cfg.checkpoint.dir
+        else None
+    )
+    if resume and manager is not None and manager.steps():
+        start, state = manager.restore(trainer.abstract_state(run.params))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(config_lib.to_json(cfg))
+    previous = rundir.kept_records(out / "metrics.jsonl", start)
 
-        manager = ocp.CheckpointManager(
-            Path(cfg.checkpoint.dir).absolute(),
-            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint.keep),
-        )
-        if resume and manager.latest_step() is not None:
-            start = manager.latest_step()
-            target = trainer.abstract_state(run.params)
-            state = manager.restore(start, args=ocp.args.StandardRestore(target))
-    previous = _kept_records(out / "metrics.jsonl", start)
-
-    writers = _Writers(out, cfg.log.tensorboard)
     R, H, B, L = streams.shape[0], streams.shape[1], streams.shape[2], streams.shape[3] - 1
     tokens_per_round = R * H * B * L
+    # TensorBoard steps are tokens: a resumed run drops the events after its checkpoint
+    writers = rundir.Writers(out, cfg.log.tensorboard, start * tokens_per_round if resume else None)
     history, bytes_total = [], (previous[-1]["bytes_total"] if previous else 0.0)
     progress = None
     if cfg.log.progress:
@@ -246,57 +229,70 @@ def train(
         progress = tqdm(total=t.rounds, initial=start, desc=cfg.name, unit="round")
     eval_fn, eval_batch = run.eval_fn
     every_step = registry.REGISTRY[cfg.outer.algorithm].capabilities.every_step
+    saved, skipped_run, last_skipped = (start or None), 0, _skipped(state) or 0
     try:
-        end = t.rounds if stop_after is None else min(t.rounds, stop_after)
-        for k in range(start, end):
-            batch = streams.round_batch(k)
-            began = time.perf_counter()
-            state, metrics = trainer.round(state, batch)
-            metrics = jax.device_get(metrics)
-            seconds = time.perf_counter() - began
-            bytes_round = float(np.asarray(metrics.bytes_communicated)[0])
-            if every_step:  # DDP reduces its gradients every step
-                bytes_round = 2.0 * (R - 1) / R * _param_bytes(run.params) * H if R > 1 else 0.0
-            bytes_total += bytes_round
-            loss = np.asarray(metrics.loss)
-            record = {
-                "round": k + 1,
-                "tokens": (k + 1) * tokens_per_round,
-                "train_loss": float(loss.mean()),
-                "train_loss_last": float(loss[:, -1].mean()),
-                "train_loss_per_replica": [float(x) for x in loss.mean(axis=1)],
-                "bytes_round": bytes_round,
-                "bytes_total": bytes_total,
-                "pseudo_gradient_norm": float(np.asarray(metrics.pseudo_gradient_norm).mean()),
-                "cosine_to_mean": float(np.asarray(metrics.cosine_to_mean).mean()),
-                "seconds": seconds,
-                "tokens_per_s": tokens_per_round / seconds,
-                "inner_lr": float(run.schedule((k + 1) * H)),
-                "skipped": _skipped(state),
-                "clip_fraction": _clip_fraction(state, cfg.outer.clip_threshold),
-                "penalty_scale": _penalty_scale(state),
-                "collective": "all-reduce (every step)"
-                if every_step
-                else f"{trainer.reducer_kind} ({len(trainer.transfers)} per round)",
-                "overlapped": trainer.outer.overlapped,
-            }
-            last = k + 1 == t.rounds
-            if last or (cfg.eval.every and (k + 1) % cfg.eval.every == 0):
-                record["eval_loss"] = float(
-                    np.asarray(jax.device_get(eval_fn(state.params, eval_batch))).mean()
-                )
-            writers.write(record)
-            history.append(record)
-            if progress is not None:
-                progress.set_postfix(
-                    loss=f"{record['train_loss_last']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}"
-                )
-                progress.update(1)
-            if manager is not None and ((k + 1) % cfg.checkpoint.every == 0 or last):
-                import orbax.checkpoint as ocp
-
-                manager.save(k + 1, args=ocp.args.StandardSave(state))
-                manager.wait_until_finished()
+        with rundir.Signals() as signals:
+            end = t.rounds if stop_after is None else min(t.rounds, stop_after)
+            for k in range(start, end):
+                batch = streams.round_batch(k)
+                began = time.perf_counter()
+                state, metrics = trainer.round(state, batch)
+                metrics = jax.device_get(metrics)
+                seconds = time.perf_counter() - began
+                bytes_round = float(np.asarray(metrics.bytes_communicated)[0])
+                if every_step:  # DDP reduces its gradients every step
+                    bytes_round = 2.0 * (R - 1) / R * _param_bytes(run.params) * H if R > 1 else 0.0
+                bytes_total += bytes_round
+                loss = np.asarray(metrics.loss)
+                record = {
+                    "round": k + 1,
+                    "tokens": (k + 1) * tokens_per_round,
+                    "train_loss": float(loss.mean()),
+                    "train_loss_last": float(loss[:, -1].mean()),
+                    "train_loss_per_replica": [float(x) for x in loss.mean(axis=1)],
+                    "bytes_round": bytes_round,
+                    "bytes_total": bytes_total,
+                    "pseudo_gradient_norm": float(np.asarray(metrics.pseudo_gradient_norm).mean()),
+                    "cosine_to_mean": float(np.asarray(metrics.cosine_to_mean).mean()),
+                    "seconds": seconds,
+                    "tokens_per_s": tokens_per_round / seconds,
+                    "inner_lr": float(run.schedule((k + 1) * H)),
+                    "skipped": _skipped(state),
+                    "clip_fraction": _clip_fraction(state, cfg.outer.clip_threshold),
+                    "penalty_scale": _penalty_scale(state),
+                    "collective": "all-reduce (every step)"
+                    if every_step
+                    else f"{trainer.reducer_kind} ({len(trainer.transfers)} per round)",
+                    "overlapped": trainer.outer.overlapped,
+                }
+                last = k + 1 == t.rounds
+                if last or (cfg.eval.every and (k + 1) % cfg.eval.every == 0):
+                    record["eval_loss"] = float(
+                        np.asarray(jax.device_get(eval_fn(state.params, eval_batch))).mean()
+                    )
+                writers.write(record)
+                history.append(record)
+                if progress is not None:
+                    progress.set_postfix(
+                        loss=f"{record['train_loss_last']:.3f}",
+                        tok_s=f"{record['tokens_per_s']:.0f}",
+                    )
+                    progress.update(1)
+                rundir.check_finite(k + 1, loss)
+                if record["skipped"] is not None:
+                    skipped_run = skipped_run + 1 if record["skipped"] > last_skipped else 0
+                    last_skipped = record["skipped"]
+                    if skipped_run >= t.max_skipped:
+                        raise rundir.Diverged(
+                            f"round {k + 1}: the outer guard skipped {skipped_run} rounds in a "
+                            "row (non-finite payloads); lower inner.learning_rate"
+                        )
+                due = cfg.checkpoint.every and (k + 1) % cfg.checkpoint.every == 0
+                if manager is not None and (due or last or signals.signum is not None):
+                    manager.save(k + 1, state)
+                    saved = k + 1
+                if signals.signum is not None and not last:
+                    raise rundir.Interrupted(signals.signum, k + 1, saved)
     finally:
         writers.close()
         if progress is not None:
@@ -306,30 +302,76 @@ def train(
     return Result(history, state, streams.entropy_rate)
 
 
-def _kept_records(path: Path, start: int) -> list[dict]:
-    """Keeps the metrics of rounds <= ``start`` (a resumed run rewrites the later ones)."""
-    if not path.exists():
-        return []
-    kept = [r for r in map(json.loads, path.read_text().splitlines()) if r["round"] <= start]
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    return kept
-
-
 def _param_bytes(params) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="co2jax pretraining run")
-    parser.add_argument("--preset", default="cpu-tiny", choices=sorted(config_lib.PRESETS))
+    """``python -m experiments.train [--preset P] [flags] section.field=value ...``.
+
+    The config is validated (:func:`experiments.checks.validate`, the mesh against the
+    devices, :func:`experiments.checks.check_paths`) before anything is written or compiled.
+    A refused config or run prints one line to stderr, ``error: <override>: <reason>`` with
+    the override as typed, and exits with status 2 (``--debug``: raises it instead).
+    """
+    parser = argparse.ArgumentParser(
+        description="co2jax pretraining run",
+        epilog=config_lib.describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--preset",
+        default="cpu-tiny",
+        choices=sorted(config_lib.PRESETS),
+        help="the config the overrides start from (default: cpu-tiny)",
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run in log.dir/<name> and checkpoint.dir",
+    )
     parser.add_argument("--distributed", action="store_true", help="join a multi-host run first")
-    parser.add_argument("overrides", nargs="*", help="section.field=value")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config (JSON) and exit"
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="raise a refused config or run with its traceback"
+    )
+    parser.add_argument("overrides", nargs="*", help="section.field=value (the fields below)")
     args = parser.parse_args(argv)
-    cfg = config_lib.override(config_lib.preset(args.preset), args.overrides)
-    if args.distributed:
-        co2jax.distributed.initialize()
-    history = train(cfg, resume=args.resume).history
+    try:
+        cfg = checks.load(args.preset, args.overrides)
+        if args.print_config:
+            print(config_lib.to_json(cfg))
+            return
+        checks.check_paths(cfg)
+        if args.distributed:
+            co2jax.distributed.initialize()
+        _setup_devices(cfg)
+        checks.validate(cfg, jax.device_count())
+        history = train(cfg, resume=args.resume, overwrite=args.overwrite).history
+    except (config_lib.ConfigError, RunError) as e:
+        if args.debug:
+            raise
+        line = e.typed(args.overrides) if isinstance(e, config_lib.ConfigError) else str(e)
+        print(f"error: {' '.join(line.splitlines())}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except Interrupted as e:
+        if args.debug:
+            raise
+        again = ["python -m experiments.train", f"--preset {args.preset}", "--resume"]
+        again += [shlex.quote(o) for o in args.overrides]
+        if e.saved is None:
+            print(f"{e} (checkpoint.dir is not set: nothing to resume)", file=sys.stderr)
+        else:
+            print(f"{e}; resume with:\n  {' '.join(again)}", file=sys.stderr)
+        raise SystemExit(128 + e.signum) from None
+    except (Diverged, ckpt_lib.CheckpointError) as e:
+        if args.debug:
+            raise
+        print(f"error: {' '.join(str(e).splitlines())}", file=sys.stderr)
+        raise SystemExit(1) from None
     if history:
         last = history[-1]
         eval_loss = last.get("eval_loss", float("nan"))

@@ -34,11 +34,11 @@ def _payload(R=4, seed=0):
     }
 
 
-def _spread(reducer, K, encoded=False):
+def _spread(reducer, K, encoded=False, lanes=None):
     def run(payload):
         if encoded:
             payload = reducer.encode(payload)
-        plan = chunks.plan(payload, reducer, K)
+        plan = chunks.plan(payload, reducer, K, lanes)
         buffer, acc = chunks.split(plan, payload), chunks.zeros(plan)
         for c in range(K):
             acc = chunks.put(acc, c, chunks.reduce(plan, reducer, chunks.take(buffer, c)))
@@ -77,6 +77,53 @@ def test_encoded_chunks_equal_the_whole(name, K):
         # the same per-element arithmetic, fused by XLA into differently shaped loops: a
         # float32 rounding apart (at most one ulp, seen here), not a different reduction
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7)
+
+
+def _rows_payload(R=4, seed=3, lanes=8):
+    rng = np.random.default_rng(seed)
+    n = lambda *shape: jnp.asarray(rng.normal(size=(R, *shape)), jnp.float32)
+    return {  # row-shaped leaves (last axis a multiple of lanes) and ragged ones, packed
+        "w": n(3, 2 * lanes),
+        "v": n(2, 5, lanes),
+        "b": n(13),
+        "s": n(),
+        "m": n(3, 5),
+        "h": jnp.asarray(rng.normal(size=(R, 4, lanes)), jnp.bfloat16),
+    }
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 7])
+@pytest.mark.parametrize("name", ["pmean", "all_gather", "ring"])
+def test_chunks_in_rows_equal_the_whole(name, K):
+    """An exact reducer's chunks as ``[rows, lanes]`` blocks (lanes 8 here, 1024 by default):
+    row-shaped leaves keep their rows, the rest is packed; the pieces reduce to the whole."""
+    reducer = {**REDUCERS, **CLOSE}.get(name, lambda: comm.ring_mean())()
+    payload = _rows_payload()
+    plan = chunks.plan(jax.tree.map(lambda x: x[0], payload), reducer, K, lanes=8)
+    assert plan.lanes == (8,) and plan.piece_shape(0) == (plan.units[0], 8)
+    want = jax.jit(jax.vmap(_whole(reducer), axis_name="replica"))(payload)
+    got = jax.jit(jax.vmap(_spread(reducer, K, lanes=8), axis_name="replica"))(payload)
+    for k in payload:
+        assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, k
+        if name == "ring":
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6)
+        elif name == "pmean" and k == "h":
+            # pmean reduces the whole bf16 leaf in bf16, its chunk in the group's common
+            # dtype (float32): one bf16 rounding apart, the better one for the chunk
+            np.testing.assert_allclose(got[k].astype(np.float32), want[k].astype(np.float32),
+                                       rtol=2**-7, atol=2**-8)  # fmt: skip
+        else:
+            np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_rows_are_the_default_for_large_groups_only():
+    big = {"w": jnp.zeros((64, 2 * chunks.LANES)), "b": jnp.zeros(37)}
+    reducer = comm.all_gather_mean()
+    assert chunks.plan(big, reducer, 2).lanes == (chunks.LANES,)
+    assert chunks.plan(big, reducer, 3).lanes == (0,)  # under MIN_ROWS rows a chunk
+    assert chunks.plan(big, REDUCERS["int8"](), 2).lanes == (0,)  # a codec's blocks
+    with pytest.raises(ValueError, match="lanes=8"):
+        chunks.plan(big, REDUCERS["int8"](), 2, lanes=8)
 
 
 def test_chunk_cuts_respect_the_codec_block():

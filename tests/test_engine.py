@@ -357,6 +357,24 @@ def test_spread_round_equals_unspread(case, reducer, layout, problem, mesh):
     np.testing.assert_allclose(got, case.textbook(problem), **TOL)
 
 
+@pytest.mark.parametrize("layout", ["whole", "shard_outer_state"])
+@pytest.mark.parametrize("case", SPREAD_CASES[:2], ids=[c.name for c in SPREAD_CASES[:2]])
+def test_spread_in_rows_equals_unspread(case, layout, problem, mesh, monkeypatch):
+    """Chunks cut in rows (the layout of real models' groups, here forced on the small
+    problem with rows of 2): the spread round still equals the unspread one."""
+    from co2jax.comm import chunks
+
+    kw = {} if layout == "whole" else {"shard_outer_state": True}
+    plain, *_ = run_engine(case.make(), problem, mesh, reducer="all_gather", spread=False, **kw)
+    monkeypatch.setattr(chunks, "LANES", 2)
+    monkeypatch.setattr(chunks, "MIN_ROWS", 0)
+    got, _, _, trainer = run_engine(
+        case.make(), problem, mesh, reducer="all_gather", spread=H, **kw
+    )
+    assert trainer.run[0].chunks == H
+    np.testing.assert_allclose(got, plain, rtol=1e-6, atol=1e-7)
+
+
 def test_spread_compressed_and_error_feedback_equal_unspread(problem, mesh):
     """int8 blocks are never split by a chunk, and error feedback's encodings are cut along
     their blocks: spread equals unspread."""

@@ -117,3 +117,57 @@ def test_a_nan_in_one_data_shard_skips_the_step_on_every_shard():
     state, _ = trainer.round(state, batch)  # and it recovers
     np.testing.assert_array_equal(state.outer_state.num_skipped, [1, 1, 1, 1])
     assert np.isfinite(np.asarray(state.params["b"])).all()
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["whole", "shard_outer_state"])
+def test_a_poisoned_adamw_replica_recovers_in_the_round_engine(shard):
+    """A NaN batch on one replica turns its AdamW moments NaN. The round is skipped, and
+    the replica's inner state is reset at the round's end: the next rounds apply (before,
+    every later round was skipped too)."""
+    import textbook as tb
+    from test_engine import engine_loss, textbook_batch
+
+    problem = tb.make_problem(replicas=4, examples=2)
+    mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
+    outer = co2jax.skip_nonfinite(co2jax.diloco(optax.sgd(0.7, momentum=0.9, nesterov=True)))
+    trainer = co2jax.RoundTrainer(
+        engine_loss, optax.adamw(0.05), outer, mesh, sync_every=3, shard_outer_state=shard
+    )
+    theta0 = jnp.asarray(problem.theta0, jnp.float32)
+    state = trainer.init({"b": theta0[:2], "w": theta0[2:]})
+    batch = textbook_batch(problem)
+    poisoned = dict(batch, c=batch["c"].at[2].set(jnp.nan))  # replica 2's whole batch
+    state, _ = trainer.round(state, batch)
+    state, _ = trainer.round(state, poisoned)
+    np.testing.assert_array_equal(state.outer_state.num_skipped, [1] * 4)
+    for _ in range(3):
+        state, metrics = trainer.round(state, batch)
+    np.testing.assert_array_equal(state.outer_state.num_skipped, [1] * 4)
+    assert np.isfinite(np.asarray(metrics.loss)).all()
+    for leaf in jax.tree.leaves(state):
+        assert np.isfinite(np.asarray(leaf)).all()
+
+
+def test_a_poisoned_replica_skips_its_step_in_local_updates():
+    """local_updates: a NaN gradient on one replica skips that replica's inner step (its
+    updates are zero, its inner state kept, its step counted), so the replicas stay in step
+    and the sync applies; before, the replica stayed NaN and the others were reset to a
+    frozen anchor at every sync."""
+    H, R = 3, 4
+    outer = co2jax.skip_nonfinite(co2jax.diloco(optax.sgd(0.7, momentum=0.9, nesterov=True)))
+    tx = co2jax.local_updates(optax.adamw(0.05), outer, H)
+    rng = np.random.default_rng(0)
+    params = jnp.broadcast_to(jnp.asarray(rng.normal(size=5), jnp.float32), (R, 5))
+    start = float(jnp.abs(params[0] - 1.0).max())
+    state = jax.vmap(tx.init)(params)
+    step = jax.jit(jax.vmap(lambda g, s, p: tx.update(g, s, p), axis_name="replica"))
+    for t in range(4 * H):
+        grads = params - 1.0
+        if t == H + 1:
+            grads = grads.at[2].set(jnp.nan)
+        updates, state = step(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    np.testing.assert_array_equal(state.outer_state.num_skipped, [0] * R)
+    assert np.isfinite(np.asarray(params)).all()
+    np.testing.assert_array_equal(params, jnp.broadcast_to(params[0], params.shape))  # synced
+    assert float(jnp.abs(params[0] - 1.0).max()) < start  # and it trained towards 1

@@ -180,6 +180,20 @@ def test_multislice_mesh_puts_the_replica_axis_across_slices():
         co2jax.make_mesh(replica=1, data=8, devices=topo.devices)
 
 
+def test_a_mesh_axis_that_splits_a_physical_axis():
+    """replica=2 x data=8 on a 4x4 slice: 8 is no product of the slice's axes, so the mesh
+    splits one (before: NotImplementedError from the topology-aware layout)."""
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(topology_name="v5e:4x4", platform="tpu")
+    except Exception as e:
+        _unavailable(f"no v5e 4x4 topology for ahead-of-time compilation: {e}")
+    mesh = co2jax.make_mesh(replica=2, data=8, devices=topo.devices)
+    assert mesh.devices.shape == (2, 8, 1)
+    assert len({d.id for d in mesh.devices.flat}) == 16
+
+
 # ---------------------------------------------------------------------------------------------
 # the fused outer-update kernel, compiled by Mosaic
 

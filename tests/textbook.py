@@ -1,4 +1,4 @@
-"""Numpy textbook loops, transcribed from ALGORITHMS.md, in float64 and plain Python loops.
+"""Numpy textbook loops of the update rules in docs/algorithms/, in float64 and plain loops.
 
 Each function runs ``rounds`` rounds of ``H`` inner SGD steps on every replica of a
 :class:`Problem` and returns the parameters every replica starts the next round from, per
@@ -116,7 +116,7 @@ def slowmo(problem, lr, H, rounds, gamma, alpha, beta):
 
 
 def gap_aware_penalty(decay, eps=1e-12):
-    """Returns a stateful Lambda(anchor, previous_anchor) per ALGORITHMS.md / the docstring."""
+    """Returns a stateful Lambda(anchor, previous_anchor) per docs/algorithms/co2.md."""
     state = {"C": None, "n": 0}
 
     def penalty(anchor, previous_anchor):

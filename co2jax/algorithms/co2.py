@@ -30,11 +30,14 @@ class CO2MomentumState(NamedTuple):
       penalty_state: the staleness penalty's own state (``EmptyPenaltyState`` when none).
       penalty_scale: 0-d float32, the mean multiplier ``Lambda`` of the last outer step (1
         with no penalty): how strongly staleness was damped, for logging.
+      count: with a learning-rate or momentum schedule, the outer steps taken so far (the
+        schedules' argument); ``None`` otherwise.
     """
 
     momentum: optax.Updates
     penalty_state: Any
     penalty_scale: jax.Array
+    count: Any = None  # with a schedule: 0-d int32, the outer steps taken (else None)
 
 
 def _scale(multiplier: Any, tree: Any) -> Any:
@@ -57,45 +60,59 @@ def _mean_multiplier(multiplier: Any, tree: Any) -> jax.Array:
 
 
 def scale_by_co2_momentum(
-    learning_rate: float,
-    momentum: float,
+    learning_rate: optax.ScalarOrSchedule,
+    momentum: optax.ScalarOrSchedule,
     clip_threshold: float | None = None,
     penalty: _penalties.Penalty | None = None,
 ) -> optax.GradientTransformation:
     """CO2's outer step on the (stale) averaged pseudo-gradient ``g``, anchor as ``params``.
 
     ``m <- clip(beta*m + Lambda*g, -phi, phi)``; the update is ``-alpha*m``. The previous
-    anchor handed to the penalty is ``theta^(t) + alpha*m_(t-1)``: the last update undone.
+    anchor handed to the penalty is ``theta^(t) + alpha_(t-1)*m_(t-1)``: the last update
+    undone.
 
-    With no penalty, a constant or the gap-aware one, the result also describes itself to the
-    fused outer update (:class:`~co2jax.algorithms.fused.FusableTransformation`).
+    ``learning_rate`` and ``momentum`` may be optax schedules of the outer step count ``t``
+    (0 at the first outer step), or arrays: ``optax.inject_hyperparams`` keeps them in the
+    state, to change at run time (see :func:`co2jax.co2`).
+
+    With fixed numbers and no penalty, a constant or the gap-aware one, the result also
+    describes itself to the fused outer update
+    (:class:`~co2jax.algorithms.fused.FusableTransformation`).
     """
+    scheduled = callable(learning_rate) or callable(momentum)
+    at = lambda value, t: value(t) if callable(value) else value
 
     def init(params):
         pstate = penalty.init(params) if penalty is not None else _penalties.EmptyPenaltyState()
         return CO2MomentumState(
-            jax.tree.map(jnp.zeros_like, params), pstate, jnp.ones([], jnp.float32)
+            jax.tree.map(jnp.zeros_like, params),
+            pstate,
+            jnp.ones([], jnp.float32),
+            jnp.zeros([], jnp.int32) if scheduled else None,
         )
 
     def update(updates, state, params=None):
         if params is None:
             raise ValueError("scale_by_co2_momentum needs params (the anchor)")
+        t = state.count
+        alpha, beta = at(learning_rate, t), at(momentum, t)
         pstate, scale = state.penalty_state, jnp.ones([], jnp.float32)
         if penalty is not None:
-            previous_anchor = jax.tree.map(
-                lambda a, m: a + learning_rate * m, params, state.momentum
-            )
+            last = at(learning_rate, jnp.maximum(t - 1, 0)) if scheduled else alpha
+            previous_anchor = jax.tree.map(lambda a, m: a + last * m, params, state.momentum)
             lam, pstate = penalty.update(params, previous_anchor, updates, pstate)
             updates = _scale(lam, updates)
             scale = _mean_multiplier(lam, updates)
-        m = jax.tree.map(lambda m, g: (momentum * m + g).astype(m.dtype), state.momentum, updates)
+        m = jax.tree.map(lambda m, g: (beta * m + g).astype(m.dtype), state.momentum, updates)
         if clip_threshold is not None:
             m = jax.tree.map(lambda x: jnp.clip(x, -clip_threshold, clip_threshold), m)
-        out = jax.tree.map(lambda x: (-learning_rate * x).astype(x.dtype), m)
-        return out, CO2MomentumState(m, pstate, scale)
+        out = jax.tree.map(lambda x: (-alpha * x).astype(x.dtype), m)
+        count = None if t is None else optax.safe_increment(t)
+        return out, CO2MomentumState(m, pstate, scale, count)
 
     kind = "none" if penalty is None else penalty.kind
-    if kind not in ("none", "constant", "gap_aware"):
+    numbers = all(isinstance(v, (int, float)) for v in (learning_rate, momentum))
+    if kind not in ("none", "constant", "gap_aware") or not numbers:
         return optax.GradientTransformation(init, update)
     options = dict(penalty.options) if penalty is not None else {}
     spec = OuterUpdateSpec(
@@ -128,8 +145,8 @@ def scale_by_co2_momentum(
 
 
 def co2(
-    learning_rate: float,
-    momentum: float,
+    learning_rate: optax.ScalarOrSchedule,
+    momentum: optax.ScalarOrSchedule,
     clip_threshold: float | None = None,
     penalty: _penalties.Penalty | Callable | None = None,
     mode: str = "paper",
@@ -159,8 +176,10 @@ def co2(
     no-op: a ``clip_threshold`` given in this mode is ignored (with a warning), as there.
 
     Args:
-      learning_rate: ``alpha`` (> 0); released default 1.0.
+      learning_rate: ``alpha`` (> 0); released default 1.0. A number or an optax schedule
+        of the outer step count (then the fused outer update is not used).
       momentum: ``beta`` in [0, 1); released default 0.5 (fairseq picks it by GPU count).
+        A number or a schedule, as ``learning_rate``.
       clip_threshold: ``phi`` (> 0), or ``None`` for no clipping.
       penalty: ``Lambda``: ``None`` (none), a :class:`co2jax.penalties.Penalty` such as
         ``penalties.constant(lam)`` or ``penalties.gap_aware()``, or a callable
@@ -196,8 +215,15 @@ def co2(
       Sun et al., "CO2: Efficient Distributed Training with Full Communication-Computation
       Overlap", ICLR 2024, arXiv 2401.16265.
     """
-    alpha = check_positive("learning_rate", learning_rate)
-    beta = check_unit_interval("momentum", momentum)
+    alpha, beta = learning_rate, momentum
+    if callable(alpha):  # a schedule: its first value is checked
+        check_positive("learning_rate (a schedule, at outer step 0)", float(alpha(0)))
+    else:
+        alpha = check_positive("learning_rate", alpha)
+    if callable(beta):
+        check_unit_interval("momentum (a schedule, at outer step 0)", float(beta(0)))
+    else:
+        beta = check_unit_interval("momentum", beta)
     if clip_threshold is not None:
         clip_threshold = check_positive("clip_threshold", clip_threshold)
     if mode not in MODES:

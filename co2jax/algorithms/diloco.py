@@ -138,9 +138,10 @@ def eager_diloco(
     eagerly (the sum telescopes), so with a linear outer optimizer the replicas' anchors
     differ by a bounded amount and never drift apart.
 
-    Indexing (unverified against the paper's Algorithm 3): we follow ALGORITHMS.md's
-    ``Delta-hat_r^(t) = Delta-bar^(t-1) + (Delta_r^(t) - Delta_r^(t-1)) / R`` for ``d = 1``;
-    ``d >= 2`` (the paper's "2-outer-steps eager") generalises it by the same telescoping.
+    Indexing (unverified against the paper's Algorithm 3): for ``d = 1`` we follow
+    ``Delta-hat_r^(t) = Delta-bar^(t-1) + (Delta_r^(t) - Delta_r^(t-1)) / R``
+    (docs/algorithms/eager_diloco.md); ``d >= 2`` (the paper's "2-outer-steps eager")
+    generalises it by the same telescoping.
 
     Args:
       outer_optimizer: any optax transform applied to ``Delta-hat_r``.

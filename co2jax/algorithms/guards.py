@@ -54,6 +54,15 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
     engine's all-gather), the check is that every payload is finite, which their mean is
     unless finite payloads overflow when summed.
 
+    A replica whose inner optimizer state went non-finite (AdamW moments after a NaN
+    gradient) would poison every later round: the round engine resets such a replica's inner
+    state (``inner.init`` of the anchor it restarts from) at the round's end, and
+    ``local_updates`` skips a non-finite inner step (zero updates, the inner state kept, the
+    step counted, so replicas stay in step). One bad batch costs one round (the round
+    engine) or one step (``local_updates``). Wrap it *inside* the engine, never with
+    ``optax.apply_if_finite`` around ``local_updates`` (which skips the whole call, the
+    sync's bookkeeping with it, on some replicas and not others).
+
     After a skip, :func:`co2jax.co2`'s penalty sees ``theta^(t) + alpha*m`` as the previous
     anchor, i.e. the anchor before the last *applied* step, although the stale pseudo-gradients
     were computed from the unchanged anchor.
@@ -107,4 +116,4 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
         skipped = state.num_skipped + jnp.logical_not(ok).astype(jnp.int32)
         return params_out, SkipNonfiniteState(inner, skipped)
 
-    return outer._replace(init=init, send=send, apply=apply)
+    return outer._replace(init=init, send=send, apply=apply, recovers_nonfinite=True)

@@ -35,11 +35,11 @@ def sparseloco(
     where the mean at index i is over the replicas that selected i (an all-gather of the k
     (index, value) pairs per chunk; no all-reduce, no outer momentum). Each replica sends its
     encoding as error feedback made it, so the selected indices travel with the values: a
-    selected value that 2-bit quantization rounds to zero still counts as selected. Defaults from
-    ALGORITHMS.md: alpha 1.0, beta 0.95, chunks of 64x64 = 4096 with the top 32 (0.8%
-    density); H (15 there) belongs to the training loop. The 2-bit format is
-    :func:`co2jax.comm.two_bit` (ternary, one scale per chunk's k values); the paper's
-    exact 2-bit quantizer is not specified in the catalogue (unverified).
+    selected value that 2-bit quantization rounds to zero still counts as selected. Defaults of
+    the predecessor code (docs/algorithms/sparseloco.md): alpha 1.0, beta 0.95, chunks of
+    64x64 = 4096 with the top 32 (0.8% density); H (15 there) belongs to the training loop.
+    The 2-bit format is :func:`co2jax.comm.two_bit` (ternary, one scale per chunk's k
+    values); whether it is the paper's exact 2-bit quantizer is unverified.
 
     Args:
       learning_rate: alpha (> 0).

@@ -84,8 +84,8 @@ def streaming_diloco(
     """Streaming DiLoCo with one ``outer_optimizer`` state per fragment.
 
     Args:
-      outer_optimizer: the outer optax transform (the paper: Nesterov SGD, lr 0.4 here per
-        ALGORITHMS.md; ``co2jax.outer_sgd(0.4, 0.9, nesterov=True)``).
+      outer_optimizer: the outer optax transform (the paper: Nesterov SGD, lr 0.4; see
+        docs/algorithms/streaming_diloco.md; ``co2jax.outer_sgd(0.4, 0.9, nesterov=True)``).
       fragments: from :func:`co2jax.fragments.make_fragments` on the parameters.
       sync_every: H, inner steps between two syncs of the same fragment (a round).
       tau: inner steps between sending a fragment's pseudo-gradient and applying it

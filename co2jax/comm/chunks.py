@@ -4,7 +4,13 @@ A transfer spread over the inner steps (``Transfer(chunks=K)``) sends chunk c at
 step. Chunks are cut where a reduction can be taken piece by piece and give exactly what the
 whole reduction gives:
 
-- a plain payload: each :func:`co2jax.tree.varying_groups` group flattened (in its leaves'
+- a plain payload for an exact reducer (no codec): each :func:`co2jax.tree.varying_groups`
+  group laid out as rows of ``lanes`` elements (:data:`LANES`; a leaf whose last axis is a
+  multiple of it keeps its rows, the other leaves are packed together), padded and cut into
+  K blocks of rows; a chunk is a ``[rows, lanes]`` array. A flat vector would cost XLA:TPU
+  a relayout of the whole payload into and out of a one-dimensional tiling, which compiled
+  about 3.5x slower (docs/overlap.md);
+- a plain payload for a compressed reducer: each group flattened (in its leaves'
   common dtype), padded and cut into K ranges of a whole number of the reducer's codec blocks
   (a top-k codec's chunks); each piece is reduced by the reducer itself. An exact mean is
   element-wise, a block codec quantizes each block on its own and top-k selects per chunk,
@@ -42,6 +48,11 @@ import jax.numpy as jnp
 from co2jax.comm.reducer import Encoded, Grouped, Reducer, values
 from co2jax.tree import common_dtype, flatten
 
+LANES = 1024
+"""Row width of an exact reducer's chunks: a multiple of every TPU tiling's lane count."""
+MIN_ROWS = 64
+"""A group is cut in rows when each chunk holds at least this many (padding <= 1/32)."""
+
 
 class Plan(NamedTuple):
     """How a payload of given shapes is cut (static).
@@ -54,6 +65,8 @@ class Plan(NamedTuple):
       units: units of each group in one chunk.
       dtypes: the dtype each group's values are accumulated in.
       piece_form: encoded: the wire form of one chunk (one vector per group).
+      lanes: per group, its rows' width (0: a flat vector).
+      rows: per group with lanes: its row-shaped leaves' rows, then the packed rest's.
     """
 
     chunks: int
@@ -63,14 +76,37 @@ class Plan(NamedTuple):
     units: tuple[int, ...]
     dtypes: tuple[Any, ...]
     piece_form: Any = None
+    lanes: tuple = ()
+    rows: tuple = ()
 
     def elements(self, g: int) -> int:
         """Elements of group ``g`` in one chunk."""
         return self.units[g] * self.per_unit[g]
 
+    def piece_shape(self, g: int) -> tuple[int, ...]:
+        """The shape of group ``g``'s part of one chunk."""
+        lanes = self.lanes[g] if self.lanes else 0
+        return (self.units[g], lanes) if lanes else (self.elements(g),)
 
-def plan(payload: Any, reducer: Reducer, chunks: int) -> Plan:
-    """The cut of ``payload`` (arrays or ShapeDtypeStructs; plain or encoded) into ``chunks``."""
+
+def _row_shaped(shape: tuple, lanes: int) -> bool:
+    return len(shape) >= 2 and shape[-1] % lanes == 0
+
+
+def _row_plan(form: Grouped, group: tuple, lanes: int) -> tuple:
+    """((leaf, rows) for each row-shaped leaf, (the other leaves, packed: their rows))."""
+    shaped = tuple(
+        (i, math.prod(form.shapes[i]) // lanes) for i in group if _row_shaped(form.shapes[i], lanes)
+    )
+    rest = tuple(i for i in group if not _row_shaped(form.shapes[i], lanes))
+    packed = math.ceil(sum(math.prod(form.shapes[i]) for i in rest) / lanes)
+    return shaped, (rest, packed)
+
+
+def plan(payload: Any, reducer: Reducer, chunks: int, lanes: int | None = None) -> Plan:
+    """The cut of ``payload`` (arrays or ShapeDtypeStructs; plain or encoded) into ``chunks``;
+    ``lanes``: the row width of an exact reducer's chunks (default: :data:`LANES` for each
+    group of at least :data:`MIN_ROWS` rows a chunk, else flat; 0: all flat)."""
     if isinstance(payload, Encoded):
         form = payload.form
         per_unit = [form.per_unit] * len(form.groups)
@@ -80,11 +116,28 @@ def plan(payload: Any, reducer: Reducer, chunks: int) -> Plan:
         block = reducer.codec.block if reducer.codec is not None else None
         per_unit = [block or 1] * len(form.groups)
         dtypes = [common_dtype(g) for g in groups]
-    sizes = form.sizes()
-    units = [math.ceil(math.ceil(n / u) / chunks) for n, u in zip(sizes, per_unit, strict=True)]
-    out = Plan(
-        chunks, form, isinstance(payload, Encoded), tuple(per_unit), tuple(units), tuple(dtypes)
+    encoded, sizes = isinstance(payload, Encoded), form.sizes()
+    if lanes and (encoded or reducer.codec is not None):
+        raise ValueError(f"lanes={lanes}: rows are for a plain payload of an exact reducer")
+    if lanes is None:
+        lanes = LANES if not encoded and reducer.codec is None else 0
+        widths = [lanes if n >= MIN_ROWS * lanes * chunks else 0 for n in sizes]
+    else:
+        widths = [lanes] * len(sizes)
+    rows = tuple(
+        _row_plan(form, group, w) if w else None
+        for group, w in zip(form.groups, widths, strict=True)
     )
+    units = []
+    for g, n in enumerate(sizes):
+        if widths[g]:
+            per_unit[g] = widths[g]
+            shaped, (_, packed) = rows[g]
+            units.append(math.ceil((sum(r for _, r in shaped) + packed) / chunks))
+        else:
+            units.append(math.ceil(math.ceil(n / per_unit[g]) / chunks))
+    out = Plan(chunks, form, encoded, tuple(per_unit), tuple(units), tuple(dtypes), None)
+    out = out._replace(lanes=tuple(widths), rows=rows)
     if not out.encoded:
         return out
     count = len(form.groups)
@@ -98,17 +151,52 @@ def plan(payload: Any, reducer: Reducer, chunks: int) -> Plan:
     return out._replace(piece_form=piece_form)
 
 
+def _to_rows(plan: Plan, g: int, leaves: list) -> jax.Array:
+    """Group ``g``'s leaves (all of the payload's) as ``[K * units, lanes]`` rows."""
+    shaped, (rest, _) = plan.rows[g]
+    dtype, lanes = plan.dtypes[g], plan.lanes[g]
+    parts = [leaves[i].astype(dtype).reshape(-1, lanes) for i, _ in shaped]
+    if rest:
+        flat = jnp.concatenate([leaves[i].astype(dtype).ravel() for i in rest])
+        parts.append(jnp.pad(flat, (0, (-flat.size) % lanes)).reshape(-1, lanes))
+    block = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    return jnp.pad(block, ((0, plan.chunks * plan.units[g] - block.shape[0]), (0, 0)))
+
+
+def _from_rows(plan: Plan, g: int, block: jax.Array, leaves: list) -> None:
+    """The leaves of group ``g`` from its ``[rows, lanes]`` block, written into ``leaves``."""
+    form, (shaped, (rest, packed)) = plan.form, plan.rows[g]
+    offset = 0
+    for i, r in shaped:
+        leaves[i] = block[offset : offset + r].reshape(form.shapes[i]).astype(form.dtypes[i])
+        offset += r
+    flat = block[offset : offset + packed].reshape(-1)
+    offset = 0
+    for i in rest:
+        n = math.prod(form.shapes[i])
+        leaves[i] = flat[offset : offset + n].reshape(form.shapes[i]).astype(form.dtypes[i])
+        offset += n
+
+
 def split(plan: Plan, payload: Any) -> list:
     """The payload as K chunks: per group, its wire arrays padded and reshaped to
-    ``[K, rows, ...]`` along their leading axis (plain: one flat vector per group)."""
+    ``[K, rows, ...]`` along their leading axis (plain: one flat vector per group, or rows of
+    ``lanes``)."""
     if plan.encoded:
         wire = list(payload.data)
     else:
-        _, groups = Grouped.of(payload)
-        wire = [flatten(g, dt)[0] for g, dt in zip(groups, plan.dtypes, strict=True)]
+        leaves, (_, groups) = jax.tree.leaves(payload), Grouped.of(payload)
+        wire = [
+            None if plan.lanes[g] else flatten(group, plan.dtypes[g])[0]
+            for g, group in enumerate(groups)
+        ]
     sizes = plan.form.sizes()
     out = []
     for g, arrays in enumerate(wire):
+        if arrays is None:  # in rows
+            rows = _to_rows(plan, g, leaves)
+            out.append(rows.reshape(plan.chunks, plan.units[g], plan.lanes[g]))
+            continue
         total = math.ceil(sizes[g] / plan.per_unit[g])  # units of the whole group
 
         def cut(a, g=g, total=total):
@@ -146,9 +234,10 @@ def piece_values(plan: Plan, piece: list) -> list[jax.Array]:
 
 
 def zeros(plan: Plan) -> list[jax.Array]:
-    """The reduced values of every chunk, per group ``[K, elements]``, before any arrives."""
+    """The reduced values of every chunk, per group ``[K, *piece_shape]``, before any arrives."""
     return [
-        jnp.zeros((plan.chunks, plan.elements(g)), plan.dtypes[g]) for g in range(len(plan.units))
+        jnp.zeros((plan.chunks, *plan.piece_shape(g)), plan.dtypes[g])
+        for g in range(len(plan.units))
     ]
 
 
@@ -162,5 +251,16 @@ def put(acc: list, c: Any, vectors: list) -> list:
 
 def finish(plan: Plan, acc: list) -> Any:
     """The reduced payload, shaped and typed as the whole reduction's, from every chunk."""
-    sizes = plan.form.sizes()
-    return plan.form.assemble([a.reshape(-1)[:n] for a, n in zip(acc, sizes, strict=True)])
+    form, leaves = plan.form, [None] * len(plan.form.shapes)
+    if not any(plan.lanes):
+        return form.assemble([a.reshape(-1)[:n] for a, n in zip(acc, form.sizes(), strict=True)])
+    for g, a in enumerate(acc):  # a plain payload, some groups in rows
+        if plan.lanes[g]:
+            _from_rows(plan, g, a.reshape(-1, plan.lanes[g]), leaves)
+            continue
+        vector, offset = a.reshape(-1), 0
+        for i in form.groups[g]:
+            n = math.prod(form.shapes[i])
+            leaves[i] = vector[offset : offset + n].reshape(form.shapes[i]).astype(form.dtypes[i])
+            offset += n
+    return jax.tree.unflatten(form.treedef, leaves)

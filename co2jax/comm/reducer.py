@@ -151,6 +151,10 @@ class Grouped:
         """The tree from one float32 vector per group (cast to the leaves' dtypes)."""
         leaves: list[Any] = [None] * len(self.shapes)
         for group, vector in zip(self.groups, vectors, strict=True):
+            if vector.ndim != 1:  # a group of one leaf, sent in its own shape
+                (i,) = group
+                leaves[i] = vector.reshape(self.shapes[i]).astype(self.dtypes[i])
+                continue
             offset = 0
             for i in group:
                 n = math.prod(self.shapes[i])
@@ -166,14 +170,18 @@ class _Flat(Grouped):
     """Each group as one vector of its leaves' common dtype; combined by a float32 mean."""
 
     def mean(self, data, sizes):
-        return [
-            jnp.mean(v.astype(jnp.float32), axis=0)[:n] for v, n in zip(data, sizes, strict=True)
-        ]
+        means = [jnp.mean(v.astype(jnp.float32), axis=0) for v in data]
+        return [m[:n] if m.ndim == 1 else m for m, n in zip(means, sizes, strict=True)]
 
 
 def _flat_encode(payload: Payload) -> Encoded:
+    """Per group one array: its leaves flattened into a vector of their common dtype, or a
+    group of one leaf of two or more axes as it is (a reshape to one axis is a relayout of
+    the whole array on TPU, where a chunk of rows, :mod:`co2jax.comm.chunks`, is sent)."""
     form, groups = Grouped.of(payload)
-    data = tuple(flatten(g, common_dtype(g))[0] for g in groups)
+    data = tuple(
+        g[0] if len(g) == 1 and g[0].ndim >= 2 else flatten(g, common_dtype(g))[0] for g in groups
+    )
     return Encoded(data, _Flat(*form.fields()))
 
 

@@ -14,6 +14,7 @@ from co2jax.comm import chunks
 from co2jax.comm.reducer import Reducer, as_reducer, values
 from co2jax.protocol import OuterOptimizer, Transfer, chunk_steps, payload_shapes, resolve
 from co2jax.protocol import spread as spread_schedule
+from co2jax.tree import tree_all_finite, tree_select
 
 
 class LocalUpdatesState(NamedTuple):
@@ -160,6 +161,10 @@ def local_updates(
                 inflight[i] = _reduce_chunk(reducer, t, H, k, inflight[i], plan)
 
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+        if outer.recovers_nonfinite:  # a NaN step is skipped: params can't be reset later
+            ok = tree_all_finite(updates) & tree_all_finite(inner_state)
+            updates = tree_select(ok, updates, jax.tree.map(jnp.zeros_like, updates))
+            inner_state = tree_select(ok, inner_state, state.inner_state)
         local = optax.apply_updates(params, updates)
 
         # after the step: the transfers applied at the boundary it completes

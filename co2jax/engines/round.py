@@ -44,12 +44,12 @@ from co2jax._checks import check_transform
 from co2jax.axes import DATA, REPLICA
 from co2jax.comm import chunks, policy
 from co2jax.comm.reducer import values
-from co2jax.engines.execute import Carry, RoundSchedule
+from co2jax.engines.execute import Carry, RoundSchedule, _like
 from co2jax.engines.sharding import Layout
 from co2jax.kernels.api import target_backend
 from co2jax.protocol import OuterOptimizer, resolve
 from co2jax.protocol import spread as spread_transfers
-from co2jax.tree import tree_bytes
+from co2jax.tree import tree_all_finite, tree_bytes, tree_select
 
 REDUCER_CHOICES = policy.CHOICES
 
@@ -290,7 +290,7 @@ class RoundTrainer:
                 continue
             plan = chunks.plan(shapes, reducer, t.chunks)
             piece = [
-                jax.ShapeDtypeStruct((plan.elements(g),), plan.dtypes[g])
+                jax.ShapeDtypeStruct(plan.piece_shape(g), plan.dtypes[g])
                 for g in range(len(plan.units))
             ]
             total += t.chunks * reducer.wire_bytes(piece, self.replicas)
@@ -340,12 +340,25 @@ class RoundTrainer:
             carry, seg = jax.lax.scan(lambda c, x, s=(start, stop): step(c, x, s), carry, xs)
             losses.append(seg)
         carry = schedule.boundary(self.sync_every, carry, store, plans)
+        if self.outer.recovers_nonfinite:
+            carry = carry._replace(inner_state=self._reset_nonfinite(carry))
         losses = jnp.concatenate(losses)
         norm, cosine = schedule.metrics(carry)
         nbytes = self._wire_bytes(payload_shapes, reducers)
         metrics = RoundMetrics(losses, norm, cosine, jnp.asarray(nbytes, jnp.float32))
         out = (carry.params, carry.inner_state, carry.outer_state, rnd + 1)
         return jax.tree.map(lambda x: x[None], (*out, metrics))
+
+    def _reset_nonfinite(self, c: Carry):
+        """The inner state, or ``inner.init`` of the parameters where it is not finite
+        (decided per replica, over all of its data shards)."""
+        ok = tree_all_finite(c.inner_state)
+        kind = getattr(jax.typeof(ok), "manual_axis_type", None)
+        axes = tuple(sorted(set(kind.varying) - {REPLICA})) if kind is not None else ()
+        if axes:
+            ok = jax.lax.pmin(ok.astype(jnp.int32), axes) > 0
+        fresh = _like(self.inner.init(c.params), c.inner_state)
+        return tree_select(ok, c.inner_state, fresh)
 
     def round_fn(self, state: TrainState):
         """The jitted, shard_map'd round for states shaped like ``state``."""

@@ -1,0 +1,195 @@
+r"""A run's directory and its life: one config per run directory, metrics and TensorBoard
+writers that stay free of repeated steps on resume, and the ways a run stops (signals,
+divergence).
+
+- :func:`claim`: checks that a run directory (and checkpoint directory) may hold this run,
+  before anything is written: one config owns a directory; ``resume`` needs the same config;
+  ``overwrite`` deletes the old run.
+- :class:`Writers`: ``metrics.jsonl`` and TensorBoard scalars (steps are tokens); on resume
+  :func:`kept_records` keeps the records up to the restored round (a torn last line is
+  dropped) and :func:`trim_events` drops the TensorBoard scalars after it.
+- :class:`Signals`: SIGINT/SIGTERM set a flag the training loop reads at a round boundary.
+
+Example:
+  >>> import tempfile, json
+  >>> from pathlib import Path
+  >>> from experiments.rundir import kept_records
+  >>> with tempfile.TemporaryDirectory() as d:
+  ...     path = Path(d) / "metrics.jsonl"
+  ...     _ = path.write_text('{"round": 1}\n{"round": 2}\n{"round": 3, "tok')
+  ...     [r["round"] for r in kept_records(path, 1)]
+  [1]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from experiments import config as config_lib
+
+
+def trim_events(directory: Path, last_step: int) -> None:
+    """Drops the TensorBoard scalars after ``last_step`` from the event files in
+    ``directory`` (a resumed run writes them again): each TFRecord is kept or dropped whole,
+    with its own checksums."""
+    from tensorboardX.proto import event_pb2
+
+    for path in directory.glob("events.out.tfevents.*"):
+        data, at, kept = path.read_bytes(), 0, []
+        while at + 12 <= len(data):
+            n = int.from_bytes(data[at : at + 8], "little")
+            record = data[at : at + 12 + n + 4]
+            if len(record) < 12 + n + 4:
+                break  # a torn last record
+            event = event_pb2.Event.FromString(record[12 : 12 + n])
+            if not event.summary.value or event.step <= last_step:
+                kept.append(record)
+            at += len(record)
+        tmp = path.with_name(path.name + ".trim")
+        tmp.write_bytes(b"".join(kept))
+        os.replace(tmp, path)
+
+
+class Writers:
+    def __init__(self, out: Path, tensorboard: bool, last_step: int | None = None):
+        out.mkdir(parents=True, exist_ok=True)
+        self.jsonl = (out / "metrics.jsonl").open("a")
+        self.tb = None
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+
+                if last_step is not None:  # resumed: the events after it are rewritten
+                    trim_events(out / "tensorboard", last_step)
+                self.tb = SummaryWriter(str(out / "tensorboard"))
+            except ImportError:  # optional: pip install co2jax[experiments]
+                self.tb = None
+
+    def write(self, record: dict) -> None:
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "round":
+                    self.tb.add_scalar(key, value, record["tokens"])
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+class RunError(ValueError):
+    """A run that cannot start as asked (its directory, its resume), raised before compute."""
+
+
+class Interrupted(RuntimeError):
+    """SIGINT or SIGTERM stopped the run at a round boundary (its checkpoint saved)."""
+
+    def __init__(self, signum: int, rounds: int, saved: int | None):
+        name = signal.Signals(signum).name
+        at = f"checkpoint at round {saved}" if saved is not None else "no checkpoint"
+        super().__init__(f"{name}: stopped after round {rounds} ({at})")
+        self.signum, self.rounds, self.saved = signum, rounds, saved
+
+
+class Diverged(RuntimeError):
+    """The training loss went non-finite, or the outer guard skipped too many rounds."""
+
+
+def diff(stored: dict, wanted: dict, prefix: str = "") -> list[str]:
+    """The dotted names of the fields that differ between two config dicts."""
+    out = []
+    for key in sorted(set(stored) | set(wanted)):
+        a, b = stored.get(key), wanted.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
+
+
+def claim(cfg: config_lib.Config, out: Path, resume: bool, overwrite: bool) -> None:
+    """Checks that ``out`` (and the checkpoint dir) may hold this run, before anything is
+    written: one config owns a run directory."""
+    ckpt = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+    if resume and overwrite:
+        raise RunError("--resume and --overwrite: choose one")
+    if resume:
+        if ckpt is None:
+            raise RunError("--resume: checkpoint.dir is not set, so there is nothing to resume")
+        stored = out / "config.json"
+        if stored.exists():
+            wanted = json.loads(config_lib.to_json(cfg))
+            changed = diff(json.loads(stored.read_text()), wanted)
+            if changed:  # train.rounds too: the learning-rate schedule spans the rounds
+                raise RunError(
+                    f"--resume: {out} holds a run with another config ({'; '.join(changed)})"
+                )
+        return
+    used = [p for p in (out, ckpt) if p is not None and p.exists() and any(p.iterdir())]
+    if used and not overwrite:
+        raise RunError(
+            f"{used[0]} already holds a run: pass --resume to continue it or --overwrite to "
+            "replace it"
+        )
+    for p in used:  # --overwrite: the old run goes, before this one writes anything
+        shutil.rmtree(p)
+
+
+class Signals:
+    """SIGINT/SIGTERM set a flag the loop reads at the next round boundary (a second one
+    interrupts at once); handlers are installed only in the main thread."""
+
+    def __init__(self):
+        self.signum, self._old = None, {}
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this round", file=sys.stderr)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def check_finite(rounds: int, loss: np.ndarray) -> None:
+    per_replica = loss.reshape(loss.shape[0], -1).mean(axis=1)
+    if not np.isfinite(per_replica).any():
+        raise Diverged(
+            f"round {rounds}: the training loss is {per_replica[0]} on every replica; lower "
+            "inner.learning_rate (or check the data)"
+        )
+
+
+def kept_records(path: Path, start: int) -> list[dict]:
+    """Keeps the metrics of rounds <= ``start`` (a resumed run rewrites the later ones); a
+    torn last line (a run killed while writing it) is dropped."""
+    if not path.exists():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a half-written line
+        if record.get("round", 0) <= start:
+            kept.append(record)
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return kept

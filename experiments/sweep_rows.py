@@ -1,0 +1,195 @@
+"""The sweep's rows: what each one runs (:data:`SWEEP`, the presets' fixes) and the numbers
+a finished run gives its row (the link's cost model, the simulated wall clock, tokens/s, the
+curves, the divergence flag).
+
+The cost model, :class:`Link` and :func:`simulated_round_s`, is documented and imported as
+``experiments.compare.Link`` / ``experiments.compare.simulated_round_s`` (``compare``
+re-exports both): a ring all-reduce of N bytes over R replicas costs
+``2 (R-1)/R * N * 8 / bandwidth + 2 (R-1) * latency``. Synchronous algorithms wait for it; an
+algorithm whose reduction is overlapped hides it behind the round's compute, up to that
+compute, and slows the overlapped compute by ``overlap_slowdown``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from co2jax.algorithms import registry
+
+# (label, overrides): every run sees the same tokens (same rounds, H, batch, seq_len, seed)
+SWEEP = [
+    ("DDP", ["outer.algorithm=ddp"]),
+    ("Local SGD", ["outer.algorithm=local_sgd"]),
+    ("DiLoCo", ["outer.algorithm=diloco"]),
+    ("Delayed DiLoCo (naive)", ["outer.algorithm=delayed_diloco"]),
+    ("Eager DiLoCo", ["outer.algorithm=eager_diloco"]),
+    # the paper's ablation: a naive delay with a lower outer learning rate (and eager alike)
+    (
+        "Delayed DiLoCo (outer lr 0.35)",
+        ["outer.algorithm=delayed_diloco", "outer.learning_rate=0.35"],
+    ),
+    ("Eager DiLoCo (outer lr 0.35)", ["outer.algorithm=eager_diloco", "outer.learning_rate=0.35"]),
+    ("CO2", ["outer.algorithm=co2", "outer.learning_rate=1.0", "outer.momentum=0.0"]),
+    (
+        "CO2 + penalty + clip",
+        [
+            "outer.algorithm=co2",
+            "outer.learning_rate=1.0",
+            "outer.momentum=0.2",
+            "outer.penalty=gap_aware",
+            "outer.clip_threshold=0.02",
+        ],
+    ),
+    # fragments, compressed pseudo-gradients, sparse error feedback. Streaming DiLoCo uses
+    # DiLoCo's outer optimizer and alpha = 0 (the paper's alpha 0.5 with outer lr 0.4 was
+    # 0.02 worse here); FP4 goes through the two-step collective (2 (R-1)/R encoded
+    # payloads per replica). SparseLoCo: lr 1, top 32 of 4096, 2-bit values
+    # (docs/algorithms/sparseloco.md).
+    ("DiLoCo int8", ["outer.algorithm=diloco", "outer.compression=int8"]),
+    ("Streaming DiLoCo", ["outer.algorithm=streaming_diloco", "outer.alpha=0.0"]),
+    (
+        "Streaming DiLoCo FP4",
+        [
+            "outer.algorithm=streaming_diloco",
+            "outer.alpha=0.0",
+            "outer.compression=fp4",
+            "outer.collective=two_step",
+        ],
+    ),
+    ("SparseLoCo", ["outer.algorithm=sparseloco", "outer.learning_rate=1.0"]),
+]
+# --sweep compression: the rows that compare bandwidth (run it with a larger H, see docs)
+COMPRESSION = [
+    "DDP",
+    "DiLoCo",
+    "DiLoCo int8",
+    "Streaming DiLoCo",
+    "Streaming DiLoCo FP4",
+    "SparseLoCo",
+]
+# Per preset, per algorithm: overrides that make the preset's rows of that algorithm valid,
+# applied before the row's own (a setting on the command line drops the fix). micro's H = 2
+# with Streaming DiLoCo's 2 fragments leaves only tau = 0 (tau must be in [0, H // fragments));
+# the other algorithms refuse a tau at all (they would ignore it).
+PRESET_FIXES = {"micro": {"streaming_diloco": ["outer.tau=0"]}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    bandwidth_gbps: float = 1.0
+    latency_ms: float = 10.0
+    overlap_slowdown: float = 0.189
+
+    def allreduce_s(self, nbytes: float, replicas: int) -> float:
+        if replicas <= 1 or nbytes <= 0:
+            return 0.0
+        ring = 2 * (replicas - 1) / replicas * nbytes * 8 / (self.bandwidth_gbps * 1e9)
+        return ring + 2 * (replicas - 1) * self.latency_ms / 1e3
+
+    def exchange_s(self, nbytes: float, replicas: int) -> float:
+        """Every replica sends its whole payload to each of the R-1 others over its own link
+        (the multi-job exchange, ``co2jax.multijob``): ``(R-1) N`` bytes up each link, and
+        one latency per peer pulled in turn."""
+        if replicas <= 1 or nbytes <= 0:
+            return 0.0
+        up = (replicas - 1) * nbytes * 8 / (self.bandwidth_gbps * 1e9)
+        return up + (replicas - 1) * self.latency_ms / 1e3
+
+
+def simulated_round_s(
+    algorithm: str,
+    step_s: float,
+    H: int,
+    payload_bytes: float,
+    R: int,
+    link: Link,
+    fragments: int = 1,
+    tau: int = 0,
+    exchange: str = "ring",
+    overlapped: bool | None = None,
+) -> float:
+    """Simulated seconds of one round (H inner steps and the sync): the project's cost model.
+
+    ``exchange`` is how a payload crosses the link: ``"ring"`` (an in-program ring
+    all-reduce, :meth:`Link.allreduce_s`) or ``"all_to_all"`` (the multi-job exchange,
+    :meth:`Link.exchange_s`). A synchronous algorithm waits for it; a delayed one
+    (the registry's ``delayed`` capability, or ``overlapped`` as a run recorded it) hides it
+    behind the round's compute, up to that compute, which it slows by
+    ``link.overlap_slowdown``. An algorithm that syncs fragments (Streaming DiLoCo) sends
+    ``fragments`` reductions of ``payload_bytes / fragments`` each, and each one hides behind
+    ``tau`` inner steps. One that communicates every step (DDP) pays the cost every step.
+    """
+    caps = registry.REGISTRY[algorithm].capabilities
+    overlapped = caps.delayed if overlapped is None else overlapped
+    if exchange not in ("ring", "all_to_all"):
+        raise ValueError(f"exchange must be 'ring' or 'all_to_all', got exchange={exchange!r}")
+    cost = link.allreduce_s if exchange == "ring" else link.exchange_s
+    compute = H * step_s
+    if caps.every_step:
+        return H * (step_s + cost(payload_bytes, R))
+    if caps.fragments:
+        comm = cost(payload_bytes / fragments, R)
+        hidden = min(comm, tau * step_s)
+        return compute + fragments * (link.overlap_slowdown * hidden + comm - hidden)
+    comm = cost(payload_bytes, R)
+    if overlapped:
+        hidden = min(comm, compute)
+        return compute + link.overlap_slowdown * hidden + (comm - hidden)
+    return compute + comm
+
+
+def summarise(label, cfg, history, entropy, link, run_s) -> dict:
+    """The row's numbers from the first seed's history: eval loss, excess over the entropy
+    floor, bytes, tokens/s, simulated wall clock and the curves the report plots."""
+    R, H = cfg.mesh.replica, cfg.train.sync_every
+    steady = [r["seconds"] for r in history[1:]] or [history[0]["seconds"]]
+    step_s = float(np.median(steady)) / H  # round 1 includes compilation
+    per_round = history[-1]["bytes_total"] / len(history)
+    # payload bytes per reduction, from the ring traffic 2(R-1)/R * N per replica
+    reductions = H if registry.REGISTRY[cfg.outer.algorithm].capabilities.every_step else 1
+    payload = per_round / reductions / (2 * (R - 1) / R) if R > 1 else 0.0
+    sim = simulated_round_s(
+        cfg.outer.algorithm,
+        step_s,
+        H,
+        payload,
+        R,
+        link,
+        cfg.outer.fragments,
+        cfg.outer.tau,
+        overlapped=history[-1].get("overlapped"),
+    )
+    evals = [(r["tokens"], r["eval_loss"]) for r in history if "eval_loss" in r]
+    return {
+        "label": label,
+        "algorithm": cfg.outer.algorithm,
+        "eval_loss": history[-1]["eval_loss"],
+        "excess": None if entropy is None else history[-1]["eval_loss"] - entropy,
+        "entropy": entropy,
+        "bytes_total": history[-1]["bytes_total"],
+        "tokens": history[-1]["tokens"],
+        "tokens_per_s": history[-1]["tokens"] / (step_s * H * len(history)),
+        "sim_s": sim * len(history),
+        "run_s": run_s,
+        "curve_tokens": [t for t, _ in evals],
+        "curve_loss": [v for _, v in evals],
+        "curve_bytes": [r["bytes_total"] for r in history if "eval_loss" in r],
+        "curve_sim_s": [sim * r["round"] for r in history if "eval_loss" in r],
+    }
+
+
+def row_flag(row: dict) -> str | None:
+    """``"non-finite"`` (a NaN/inf eval loss), ``"diverged"`` (the eval loss ended above where
+    it started, or above uniform guessing, ln V, by 0.5 nats), or None."""
+    curve = [float(v) for v in row.get("curve_loss", [])]
+    if not curve or not all(math.isfinite(v) for v in [*curve, row["eval_loss"]]):
+        return "non-finite"
+    vocab = row.get("vocab_size")
+    if len(curve) > 1 and curve[-1] > curve[0]:
+        return "diverged"
+    if vocab and vocab > 1 and curve[-1] > math.log(vocab) + 0.5:
+        return "diverged"
+    return None

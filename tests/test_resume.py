@@ -1,0 +1,188 @@
+"""Runs that cannot be misused: one config per run directory, checked resumes, verified
+checkpoints with fallback, clean stops on signals and on divergence."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import checkpoints, train
+from experiments import config as config_lib
+
+
+def _cfg(tmp_path, *overrides, ckpt=True):
+    extra = [f"checkpoint.dir={tmp_path / 'ckpt'}"] if ckpt else []
+    return config_lib.override(
+        config_lib.preset("micro"),
+        [f"log.dir={tmp_path / 'logs'}", "log.tensorboard=false", *extra, *overrides],
+    )
+
+
+def _run_dir(tmp_path):
+    return tmp_path / "logs" / "micro"
+
+
+def _snapshot(root):
+    return {
+        str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def test_a_used_run_directory_is_refused_before_anything_is_written(tmp_path):
+    train.train(_cfg(tmp_path, "train.rounds=1"))
+    before = _snapshot(tmp_path)
+    with pytest.raises(train.RunError, match="already holds a run: pass --resume"):
+        train.train(_cfg(tmp_path, "train.rounds=1", "outer.algorithm=co2"))
+    assert _snapshot(tmp_path) == before  # config, metrics and checkpoints untouched
+
+
+def test_overwrite_replaces_the_old_run(tmp_path):
+    train.train(_cfg(tmp_path, "train.rounds=2"))
+    result = train.train(_cfg(tmp_path, "train.rounds=1", "outer.algorithm=co2"), overwrite=True)
+    assert [r["round"] for r in result.history] == [1]
+    lines = (_run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 1
+    assert (
+        json.loads((_run_dir(tmp_path) / "config.json").read_text())["outer"]["algorithm"] == "co2"
+    )
+    assert checkpoints.Checkpoints(tmp_path / "ckpt", 2).steps() == [1]
+
+
+def test_a_checkpoint_directory_of_another_run_is_refused(tmp_path):
+    train.train(_cfg(tmp_path, "train.rounds=1"))
+    with pytest.raises(train.RunError, match="ckpt already holds a run"):
+        train.train(_cfg(tmp_path, "train.rounds=1", "name=other"))
+    assert not (tmp_path / "logs" / "other").exists()
+
+
+def test_resume_without_a_checkpoint_dir_is_an_error(tmp_path):
+    with pytest.raises(train.RunError, match=r"checkpoint\.dir is not set"):
+        train.train(_cfg(tmp_path, ckpt=False), resume=True)
+    assert not (tmp_path / "logs").exists()
+
+
+def test_resume_with_another_config_names_the_fields_and_writes_nothing(tmp_path):
+    train.train(_cfg(tmp_path, "train.rounds=2"), stop_after=1)
+    before = _snapshot(tmp_path)
+    named = r"inner.learning_rate: 0.003 -> 0.01; outer.algorithm: 'diloco' -> 'co2'"
+    with pytest.raises(train.RunError, match=named):
+        train.train(
+            _cfg(tmp_path, "train.rounds=2", "outer.algorithm=co2", "inner.learning_rate=0.01"),
+            resume=True,
+        )
+    assert _snapshot(tmp_path) == before
+
+
+def test_resume_drops_a_torn_last_line(tmp_path):
+    straight = train.train(_cfg(tmp_path / "a", "train.rounds=3", "checkpoint.every=1")).state
+    train.train(_cfg(tmp_path, "train.rounds=3", "checkpoint.every=1"), stop_after=2)
+    metrics = _run_dir(tmp_path) / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"round": 3, "tokens": 1')  # killed while writing round 3's record
+    resumed = train.train(_cfg(tmp_path, "train.rounds=3", "checkpoint.every=1"), resume=True)
+    assert [r["round"] for r in resumed.history] == [3]
+    assert [json.loads(x)["round"] for x in metrics.read_text().splitlines()] == [1, 2, 3]
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _flip_a_bit(step_dir):
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    biggest.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["bit_flip", "missing_state", "torn_digest"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(damage, tmp_path, capsys):
+    common = ["train.rounds=3", "checkpoint.every=1", "checkpoint.keep=3"]
+    straight = train.train(_cfg(tmp_path / "a", *common)).state
+    train.train(_cfg(tmp_path, *common), stop_after=2)
+    newest = tmp_path / "ckpt" / "2"
+    if damage == "bit_flip":
+        _flip_a_bit(newest)
+    elif damage == "missing_state":
+        for p in sorted((newest / "state").rglob("*"), reverse=True):
+            p.unlink() if p.is_file() else p.rmdir()
+    else:
+        (newest / "digest" / "metadata").write_text('{"sha256": "ab')
+    capsys.readouterr()
+    resumed = train.train(_cfg(tmp_path, *common), resume=True)
+    err = capsys.readouterr().err
+    assert "warning: checkpoint step 2 is unusable" in err and "restoring step 1" in err
+    assert [r["round"] for r in resumed.history] == [2, 3]
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_digest_sees_one_flipped_bit():
+    a = {"w": np.arange(6, dtype=np.float32)}
+    b = {"w": a["w"].copy()}
+    b["w"].view(np.uint32)[3] ^= 1
+    assert checkpoints.digest(a)["sha256"] != checkpoints.digest(b)["sha256"]
+    assert checkpoints.digest(a) == checkpoints.digest({"w": a["w"].copy()})
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_at_the_round_boundary_with_a_checkpoint(signum, tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path, "train.rounds=4", "checkpoint.every=10")
+    real = train.build
+
+    def build(cfg):
+        run = real(cfg)
+        step = run.trainer.round
+        calls = []
+
+        def round_(state, batch):
+            calls.append(1)
+            if len(calls) == 2:  # the signal arrives while round 2 computes
+                os.kill(os.getpid(), signum)
+            return step(state, batch)
+
+        run.trainer.round = round_
+        return run
+
+    monkeypatch.setattr(train, "build", build)
+    with pytest.raises(train.Interrupted) as caught:
+        train.train(cfg)
+    assert caught.value.rounds == 2 and caught.value.saved == 2
+    assert checkpoints.Checkpoints(tmp_path / "ckpt", 2).steps() == [2]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    monkeypatch.setattr(train, "build", real)
+    resumed = train.train(cfg, resume=True)
+    assert [r["round"] for r in resumed.history] == [3, 4]
+
+
+def test_a_diverged_run_stops_with_an_error(tmp_path):
+    with pytest.raises(train.Diverged, match="training loss is nan on every replica"):
+        train.train(_cfg(tmp_path, "inner.learning_rate=1e30", "train.rounds=3", ckpt=False))
+
+
+def test_tensorboard_has_no_duplicate_steps_after_resume(tmp_path):
+    pytest.importorskip("tensorboardX")
+    from tensorboardX.proto import event_pb2
+
+    common = ["train.rounds=3", "checkpoint.every=1", "log.tensorboard=true"]
+    train.train(_cfg(tmp_path, *common), stop_after=2)
+    # the next run resumes from round 1: round 2's events must not appear twice
+    import shutil
+
+    shutil.rmtree(tmp_path / "ckpt" / "2")
+    train.train(_cfg(tmp_path, *common), resume=True)
+    steps = {}
+    for path in sorted((_run_dir(tmp_path) / "tensorboard").glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            n = int.from_bytes(data[at : at + 8], "little")
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + n])
+            at += 12 + n + 4
+            for v in event.summary.value:
+                steps.setdefault(v.tag, []).append(event.step)
+    assert steps["train_loss"] and all(len(s) == len(set(s)) == 3 for s in steps.values())
