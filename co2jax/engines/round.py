@@ -310,7 +310,6 @@ class RoundTrainer:
             layout,
             self.sync_every,
             payload_shapes,
-            segmented=self.run != self.transfers,  # spread: chunks in their steps' segments
         )
         inflight = ((),) * len(self.transfers)
         carry = Carry(params, inner, outer, jnp.zeros((len(self.transfers), 3)), inflight)
@@ -326,7 +325,7 @@ class RoundTrainer:
             grads = layout.reduce_grads(grads, param_shapes, c.params)
             updates, inner_state = self.inner.update(grads, c.inner_state, c.params)
             p = optax.apply_updates(c.params, updates)
-            c = schedule.after_step(k, c._replace(params=p, inner_state=inner_state), plans)
+            c = c._replace(params=p, inner_state=inner_state)
             return c, jax.lax.pmean(loss, DATA)
 
         steps = jnp.arange(self.sync_every, dtype=jnp.int32)
