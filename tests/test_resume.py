@@ -79,8 +79,15 @@ def test_resume_with_another_config_names_the_fields_and_writes_nothing(tmp_path
     assert _snapshot(tmp_path) == before
 
 
-def test_resume_drops_a_torn_last_line(tmp_path):
-    straight = train.train(_cfg(tmp_path / "a", "train.rounds=3", "checkpoint.every=1")).state
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The final state of 3 rounds run straight (checkpointed every round): what every
+    stopped-and-resumed run below must end at, bitwise."""
+    tmp = tmp_path_factory.mktemp("straight")
+    return train.train(_cfg(tmp, "train.rounds=3", "checkpoint.every=1")).state
+
+
+def test_resume_drops_a_torn_last_line(tmp_path, straight):
     train.train(_cfg(tmp_path, "train.rounds=3", "checkpoint.every=1"), stop_after=2)
     metrics = _run_dir(tmp_path) / "metrics.jsonl"
     with metrics.open("a") as f:
@@ -101,9 +108,10 @@ def _flip_a_bit(step_dir):
 
 
 @pytest.mark.parametrize("damage", ["bit_flip", "missing_state", "torn_digest"])
-def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(damage, tmp_path, capsys):
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
+    damage, tmp_path, capsys, straight
+):
     common = ["train.rounds=3", "checkpoint.every=1", "checkpoint.keep=3"]
-    straight = train.train(_cfg(tmp_path / "a", *common)).state
     train.train(_cfg(tmp_path, *common), stop_after=2)
     newest = tmp_path / "ckpt" / "2"
     if damage == "bit_flip":
