@@ -376,6 +376,8 @@ def main(argv: list[str] | None = None) -> None:
         last = history[-1]
         eval_loss = last.get("eval_loss", float("nan"))
         print(f"{cfg.name}: round {last['round']}, eval loss {eval_loss:.4f}")
+    else:  # resumed at its last round: say so rather than print nothing
+        print(f"{cfg.name}: already finished ({cfg.train.rounds} rounds); nothing to run")
 
 
 if __name__ == "__main__":

@@ -194,3 +194,14 @@ def test_tensorboard_has_no_duplicate_steps_after_resume(tmp_path):
             for v in event.summary.value:
                 steps.setdefault(v.tag, []).append(event.step)
     assert steps["train_loss"] and all(len(s) == len(set(s)) == 3 for s in steps.values())
+
+
+def test_resuming_a_finished_run_says_so(tmp_path, capsys):
+    args = [
+        "--preset", "micro", f"log.dir={tmp_path / 'logs'}", "log.tensorboard=false",
+        f"checkpoint.dir={tmp_path / 'ckpt'}", "train.rounds=1",
+    ]  # fmt: skip
+    train.main(args)
+    capsys.readouterr()
+    train.main(["--resume", *args])
+    assert "micro: already finished (1 rounds); nothing to run" in capsys.readouterr().out
