@@ -30,9 +30,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from co2jax.axes import DATA, REPLICA
+from co2jax.axes import REPLICA
 from co2jax.comm import chunks
 from co2jax.comm.reducer import values
+from co2jax.engines.sharding import split_sums
 from co2jax.protocol import OuterOptimizer, Transfer
 from co2jax.tree import varying_axes
 
@@ -114,18 +115,12 @@ class RoundSchedule:
     def _piece_stats(self, i: int, plan, piece, reduced) -> jax.Array:
         """The statistics of one chunk: a group holding a data shard is summed over data."""
         full = jax.tree.leaves(self.payload_shapes[i])
-        split, whole = [], jnp.zeros(3, jnp.float32)
-        for g, (p, r) in enumerate(zip(chunks.piece_values(plan, piece), reduced, strict=True)):
-            p, r = p.astype(jnp.float32), r.astype(jnp.float32)
-            s = jnp.stack([jnp.sum(p * p), jnp.sum(r * r), jnp.sum(p * r)])
-            leaves = plan.form.groups[g]
-            if any(plan.form.shapes[j] != tuple(full[j].shape) for j in leaves):
-                split.append(s)
-            else:
-                whole = whole + s
-        if not split:
-            return whole
-        return jax.lax.psum(sum(split), DATA) + whole
+        sharded = [
+            any(plan.form.shapes[j] != tuple(full[j].shape) for j in group)
+            for group in plan.form.groups
+        ]
+        pieces = chunks.piece_values(plan, piece)
+        return split_sums(list(zip(pieces, reduced, sharded, strict=True)))
 
     # buffers of a transfer in chunks: {"wire": chunk buffer, "acc": reduced chunks or None
     # (a plain payload's reduced chunk replaces its own wire chunk)}
@@ -147,8 +142,7 @@ class RoundSchedule:
             held = {"wire": held["wire"], "acc": chunks.put(held["acc"], chunk, reduced)}
         else:
             held = {"wire": chunks.put(held["wire"], chunk, reduced), "acc": None}
-        inflight = (*c.inflight[:i], held, *c.inflight[i + 1 :])
-        return self._add(c._replace(inflight=inflight), i, stats)
+        return self._add(self._hold(c, i, held), i, stats)
 
     def _finish_chunks(self, c: Carry, i: int, plan) -> Carry:
         held = c.inflight[i]
@@ -187,7 +181,7 @@ class RoundSchedule:
                 c = self._sync(c, i)
             elif self.carried[i]:
                 c = self._finish_chunks(c, i, plans[i])
-                c = c._replace(inflight=(*c.inflight[:i], (), *c.inflight[i + 1 :]))
+                c = self._hold(c, i, ())
             else:
                 payload, reduced = store.pop(i)
                 c = self._add(self._apply(c, i, reduced), i, self._whole_stats(i, payload, reduced))

@@ -162,14 +162,20 @@ class Layout:
     def sums(self, pairs: list[tuple[jax.Array, jax.Array, Any]]) -> jax.Array:
         """``[|p|^2, |r|^2, <p, r>]`` over (payload, reduced, full shape) leaf pairs: data
         shards of a leaf summed over ``data``, whole leaves counted once."""
-        sharded, whole = [], jnp.zeros(3, jnp.float32)
-        for p, r, full in pairs:
-            p, r = p.astype(jnp.float32), r.astype(jnp.float32)
-            s = jnp.stack([jnp.sum(p * p), jnp.sum(r * r), jnp.sum(p * r)])
-            if p.shape != tuple(full.shape):
-                sharded.append(s)
-            else:
-                whole = whole + s
-        if not sharded:
-            return whole
-        return jax.lax.psum(sum(sharded), DATA) + whole
+        return split_sums([(p, r, p.shape != tuple(full.shape)) for p, r, full in pairs])
+
+
+def split_sums(items: list[tuple[jax.Array, jax.Array, bool]]) -> jax.Array:
+    """``[|p|^2, |r|^2, <p, r>]`` over (payload, reduced, is a data shard) arrays: the
+    shards' sums added over ``data``, the whole arrays' counted once."""
+    sharded, whole = [], jnp.zeros(3, jnp.float32)
+    for p, r, shard in items:
+        p, r = p.astype(jnp.float32), r.astype(jnp.float32)
+        s = jnp.stack([jnp.sum(p * p), jnp.sum(r * r), jnp.sum(p * r)])
+        if shard:
+            sharded.append(s)
+        else:
+            whole = whole + s
+    if not sharded:
+        return whole
+    return jax.lax.psum(sum(sharded), DATA) + whole
