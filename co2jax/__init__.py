@@ -27,6 +27,7 @@ from co2jax import (
 from co2jax.algorithms import (
     CO2MomentumState,
     ErrorFeedbackState,
+    NoLoCoState,
     PseudoGradientState,
     SkipNonfiniteState,
     SlowMomentumState,
@@ -39,6 +40,7 @@ from co2jax.algorithms import (
     error_feedback,
     local_sgd,
     no_sync,
+    noloco,
     outer_sgd,
     pseudo_gradient_method,
     registry,
@@ -64,6 +66,7 @@ from co2jax.engines import (
 )
 from co2jax.mesh import make_mesh
 from co2jax.protocol import OuterOptimizer, Transfer
+from co2jax.tree import consensus_distance
 
 __version__ = "0.1.0"
 
@@ -107,6 +110,9 @@ __all__ = [
     "local_updates",
     "make_mesh",
     "no_sync",
+    "noloco",
+    "NoLoCoState",
+    "consensus_distance",
     "outer_sgd",
     "overlap",
     "penalties",

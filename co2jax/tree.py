@@ -88,3 +88,18 @@ def by_varying_axes(tree: Any, fn: Callable[[list], list]) -> Any:
         for i, y in zip(group, fn([leaves[i] for i in group]), strict=True):
             out[i] = y
     return jax.tree.unflatten(treedef, out)
+
+
+def consensus_distance(stacked: Any) -> jax.Array:
+    """How far replicas' parameters are apart: ``sqrt(mean_r |x_r - mean x|^2) / |mean x|``
+    over every leaf of ``stacked`` (leading axis: replica), in float32 (0: all equal).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> consensus_distance({"w": jnp.array([[1.0], [3.0]])})  # deviations of 1 around 2
+      Array(0.5, dtype=float32)
+    """
+    leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(stacked)]
+    spread = sum(jnp.sum(jnp.mean((x - x.mean(0)) ** 2, axis=0)) for x in leaves)
+    size = sum(jnp.sum(x.mean(0) ** 2) for x in leaves)
+    return jnp.sqrt(spread) / jnp.maximum(jnp.sqrt(size), jnp.finfo(jnp.float32).tiny)

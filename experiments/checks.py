@@ -148,6 +148,7 @@ def _reads(o: OuterConfig) -> dict[str, tuple[bool, str, str]]:
         "decay": only("sparseloco"),
         "topk": only("sparseloco"),
         "chunk": only("sparseloco"),
+        "group_size": only("noloco"),
         "collective": (o.compression != "none", "outer.compression is set", repr(o.compression)),
     }
 
@@ -178,6 +179,12 @@ def _check_outer(config: Config, layers: int) -> None:
         _within("outer.topk", o.topk, 1, o.chunk, closed=True)
         if o.topk % 4:
             _fail("outer.topk", o.topk, "must be a multiple of 4 (2-bit values, 4 a byte)")
+    if o.algorithm == "noloco" and config.mesh.replica % o.group_size:
+        _fail(
+            "outer.group_size",
+            o.group_size,
+            f"must divide mesh.replica={config.mesh.replica} (replicas are dealt into groups)",
+        )
     if o.algorithm in _DELAYED and o.delay >= t.rounds:
         _fail(
             "outer.delay",

@@ -109,6 +109,7 @@ _ONLY_FOR = {
     "decay": "sparseloco",
     "topk": "sparseloco",
     "chunk": "sparseloco",
+    "group_size": "noloco",
 }
 
 

@@ -60,6 +60,8 @@ SWEEP = [
         ],
     ),
     ("SparseLoCo", ["outer.algorithm=sparseloco", "outer.learning_rate=1.0"]),
+    # gossip in pairs, the released code's outer momentum (docs/algorithms/noloco.md)
+    ("NoLoCo", ["outer.algorithm=noloco", "outer.momentum=0.5"]),
 ]
 # --sweep compression: the rows that compare bandwidth (run it with a larger H, see docs)
 COMPRESSION = [
@@ -89,6 +91,13 @@ class Link:
         ring = 2 * (replicas - 1) / replicas * nbytes * 8 / (self.bandwidth_gbps * 1e9)
         return ring + 2 * (replicas - 1) * self.latency_ms / 1e3
 
+    def permute_s(self, sent_bytes: float, peers: int) -> float:
+        """A replica sends ``sent_bytes`` in all to ``peers`` group mates, one after the
+        other over its own link (gossip: one latency per peer)."""
+        if peers <= 0 or sent_bytes <= 0:
+            return 0.0
+        return sent_bytes * 8 / (self.bandwidth_gbps * 1e9) + peers * self.latency_ms / 1e3
+
     def exchange_s(self, nbytes: float, replicas: int) -> float:
         """Every replica sends its whole payload to each of the R-1 others over its own link
         (the multi-job exchange, ``co2jax.multijob``): ``(R-1) N`` bytes up each link, and
@@ -110,6 +119,7 @@ def simulated_round_s(
     tau: int = 0,
     exchange: str = "ring",
     overlapped: bool | None = None,
+    group_size: int = 2,
 ) -> float:
     """Simulated seconds of one round (H inner steps and the sync): the project's cost model.
 
@@ -121,6 +131,8 @@ def simulated_round_s(
     ``link.overlap_slowdown``. An algorithm that syncs fragments (Streaming DiLoCo) sends
     ``fragments`` reductions of ``payload_bytes / fragments`` each, and each one hides behind
     ``tau`` inner steps. One that communicates every step (DDP) pays the cost every step.
+    A gossip algorithm (NoLoCo) sends ``payload_bytes`` (what one replica sends per sync) to
+    its ``group_size - 1`` group mates (:meth:`Link.permute_s`), whatever R is.
     """
     caps = registry.REGISTRY[algorithm].capabilities
     overlapped = caps.delayed if overlapped is None else overlapped
@@ -128,6 +140,8 @@ def simulated_round_s(
         raise ValueError(f"exchange must be 'ring' or 'all_to_all', got exchange={exchange!r}")
     cost = link.allreduce_s if exchange == "ring" else link.exchange_s
     compute = H * step_s
+    if caps.gossip:
+        return compute + link.permute_s(payload_bytes, min(group_size, R) - 1)
     if caps.every_step:
         return H * (step_s + cost(payload_bytes, R))
     if caps.fragments:
@@ -151,6 +165,8 @@ def summarise(label, cfg, history, entropy, link, run_s) -> dict:
     # payload bytes per reduction, from the ring traffic 2(R-1)/R * N per replica
     reductions = H if registry.REGISTRY[cfg.outer.algorithm].capabilities.every_step else 1
     payload = per_round / reductions / (2 * (R - 1) / R) if R > 1 else 0.0
+    if registry.REGISTRY[cfg.outer.algorithm].capabilities.gossip:
+        payload = per_round  # sent to the group mates, not a ring's traffic
     sim = simulated_round_s(
         cfg.outer.algorithm,
         step_s,
@@ -161,6 +177,7 @@ def summarise(label, cfg, history, entropy, link, run_s) -> dict:
         cfg.outer.fragments,
         cfg.outer.tau,
         overlapped=history[-1].get("overlapped"),
+        group_size=cfg.outer.group_size,
     )
     evals = [(r["tokens"], r["eval_loss"]) for r in history if "eval_loss" in r]
     return {

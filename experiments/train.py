@@ -229,6 +229,7 @@ def train(
         progress = tqdm(total=t.rounds, initial=start, desc=cfg.name, unit="round")
     eval_fn, eval_batch = run.eval_fn
     every_step = registry.REGISTRY[cfg.outer.algorithm].capabilities.every_step
+    consensus = jax.jit(co2jax.consensus_distance)  # 0 unless replicas keep their own anchors
     saved, skipped_run, last_skipped = (start or None), 0, _skipped(state) or 0
     try:
         with rundir.Signals() as signals:
@@ -254,6 +255,7 @@ def train(
                     "bytes_total": bytes_total,
                     "pseudo_gradient_norm": float(np.asarray(metrics.pseudo_gradient_norm).mean()),
                     "cosine_to_mean": float(np.asarray(metrics.cosine_to_mean).mean()),
+                    "consensus_distance": float(consensus(state.params)),
                     "seconds": seconds,
                     "tokens_per_s": tokens_per_round / seconds,
                     "inner_lr": float(run.schedule((k + 1) * H)),

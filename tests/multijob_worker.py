@@ -26,7 +26,9 @@ def algorithms() -> tuple[str, ...]:
     (the one the failure modes run). Imported when called: the worker sets up JAX first."""
     from co2jax.algorithms import registry
 
-    names = [n for n, e in registry.REGISTRY.items() if not e.capabilities.every_step]
+    # gossip exchanges with a group only: the transfer service's exchange is an all-gather
+    caps = lambda e: e.capabilities
+    names = [n for n, e in registry.REGISTRY.items() if not (caps(e).every_step or caps(e).gossip)]
     return tuple(sorted(names, key=lambda n: n != "diloco"))
 
 

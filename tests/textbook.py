@@ -260,6 +260,32 @@ def sparseloco(problem, lr, H, rounds, alpha, beta, k, chunk, quantize=True):
     return np.array(out)
 
 
+def noloco(problem, lr, H, rounds, eta, mu, n=2):
+    """The released NoLoCo rule: after inner step s = (t+1)*H the replicas are permuted by
+    default_rng(s + 1), dealt round-robin into R/n groups; per replica, with its group G:
+    delta <- mu*delta + eta*mean_G(theta - phi) + eta*(mean_G(phi) - phi); phi <- phi + delta.
+    Returns every replica's anchor per round."""
+    R = problem.replicas
+    phi = [problem.theta0.copy() for _ in range(R)]
+    delta = [np.zeros_like(problem.theta0) for _ in range(R)]
+    out = []
+    for t in range(rounds):
+        theta = [inner_sgd(problem, r, phi[r], lr, H) for r in range(R)]
+        perm = [int(x) for x in np.random.default_rng((t + 1) * H + 1).permutation(R)]
+        count = R // n
+        groups = [perm[g::count] for g in range(count)]
+        new_phi = []
+        for r in range(R):
+            group = next(g for g in groups if r in g)
+            g_bar = np.mean([theta[j] - phi[j] for j in group], axis=0)
+            phi_bar = np.mean([phi[j] for j in group], axis=0)
+            delta[r] = mu * delta[r] + eta * g_bar + eta * (phi_bar - phi[r])
+            new_phi.append(phi[r] + delta[r])
+        phi = new_phi
+        _record(out, list(phi), R)
+    return np.array(out)
+
+
 # ---------------------------------------------------------------------------------------------
 # One entry per algorithm of co2jax's registry: the config overrides the shared tests build it
 # from (co2jax.algorithms.registry.OuterConfig fields) and its loop ``(problem, lr, H, rounds)``.
@@ -308,5 +334,10 @@ REGISTERED = {
     "sparseloco": (
         {"learning_rate": 1.0, "decay": 0.95, "topk": 4, "chunk": 8},
         lambda p, lr, H, rounds: sparseloco(p, lr, H, rounds, 1.0, 0.95, 4, 8, True),
+    ),
+    # groups of 2 of the 4 replicas: the anchors differ between groups
+    "noloco": (
+        {"learning_rate": 0.7, "momentum": 0.5, "group_size": 2},
+        lambda p, lr, H, rounds: noloco(p, lr, H, rounds, 0.7, 0.5, 2),
     ),
 }

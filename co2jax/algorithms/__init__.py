@@ -8,6 +8,7 @@ from co2jax.algorithms.error_feedback import ErrorFeedbackState, error_feedback
 from co2jax.algorithms.fused import FusableTransformation, outer_sgd
 from co2jax.algorithms.guards import SkipNonfiniteState, skip_nonfinite
 from co2jax.algorithms.local_sgd import local_sgd
+from co2jax.algorithms.noloco import NoLoCoState, noloco
 from co2jax.algorithms.pseudo_gradient import PseudoGradientState, pseudo_gradient_method
 from co2jax.algorithms.slowmo import SlowMomentumState, scale_by_slow_momentum, slowmo
 from co2jax.algorithms.sparseloco import sparseloco
@@ -30,6 +31,8 @@ __all__ = [
     "error_feedback",
     "local_sgd",
     "no_sync",
+    "noloco",
+    "NoLoCoState",
     "outer_sgd",
     "pseudo_gradient_method",
     "registry",

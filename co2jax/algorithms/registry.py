@@ -27,6 +27,7 @@ from co2jax.algorithms.error_feedback import error_feedback
 from co2jax.algorithms.fused import outer_sgd
 from co2jax.algorithms.guards import skip_nonfinite
 from co2jax.algorithms.local_sgd import local_sgd
+from co2jax.algorithms.noloco import noloco
 from co2jax.algorithms.slowmo import slowmo
 from co2jax.algorithms.sparseloco import sparseloco
 from co2jax.algorithms.streaming_diloco import streaming_diloco
@@ -65,6 +66,7 @@ class OuterConfig:
     decay: float = 0.95  # sparseloco: error-feedback decay
     topk: int = 32  # sparseloco: values kept per chunk
     chunk: int = 4096  # sparseloco: chunk size
+    group_size: int = 2  # noloco: replicas per gossip group
 
 
 class Context(NamedTuple):
@@ -95,6 +97,8 @@ class Capabilities(NamedTuple):
       fragments: syncs parameter fragments (needs ``Context.params``).
       every_step: communicates every inner step (DDP's gradients), not per round.
       guardable: ``skip_nonfinite`` can wrap it (one transfer, replica-invariant anchor).
+      gossip: exchanges with a group of replicas only, never all of them (no gather form:
+        it runs in the SPMD drivers, not as separate jobs).
     """
 
     delayed: bool = False
@@ -103,6 +107,7 @@ class Capabilities(NamedTuple):
     fragments: bool = False
     every_step: bool = False
     guardable: bool = True
+    gossip: bool = False
 
 
 class Entry(NamedTuple):
@@ -184,6 +189,11 @@ REGISTRY: dict[str, Entry] = {
         lambda o, c, r: sparseloco(o.learning_rate, o.decay, o.topk, o.chunk), Capabilities(),
         "top-k error feedback, 2-bit values, sparse all-gather",
     ),
+    "noloco": Entry(
+        lambda o, c, r: noloco(o.learning_rate, o.momentum, o.group_size, sync_every=c.sync_every),
+        Capabilities(guardable=False, gossip=True),
+        "gossip outer steps in random groups of n: no all-reduce",
+    ),
 }  # fmt: skip
 NAMES = tuple(REGISTRY)
 
@@ -208,6 +218,8 @@ def validate(o: OuterConfig, sync_every: int | None = None) -> OuterConfig:
         _fail("error_feedback", o.error_feedback, "needs outer.compression")
     if o.collective not in COLLECTIVES:
         _fail("collective", o.collective, f"must be one of {COLLECTIVES}")
+    if o.group_size < 1:
+        _fail("group_size", o.group_size, "must be >= 1")
     if o.fragments < 1:
         _fail("fragments", o.fragments, "must be >= 1")
     if caps.fragments and sync_every is not None and not 0 <= o.tau < sync_every // o.fragments:

@@ -21,6 +21,7 @@ from co2jax.comm.codecs import (
     two_bit,
 )
 from co2jax.comm.compressed import all_gather_compressed, all_gather_topk, all_reduce_compressed
+from co2jax.comm.gossip import gossip_groups, gossip_mean, gossip_payload
 from co2jax.comm.reducer import (
     EXACT,
     Encoded,
@@ -54,6 +55,9 @@ __all__ = [
     "fp4",
     "fp8",
     "gather_bytes",
+    "gossip_groups",
+    "gossip_mean",
+    "gossip_payload",
     "int8",
     "make",
     "none",

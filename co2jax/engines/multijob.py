@@ -106,6 +106,12 @@ class JobTrainer:
             raise ValueError(
                 f"outer.reducer={outer.reducer.name!r} has no gather form (encode) for jobs to "
                 "exchange; use an all-gather reducer (co2jax.comm.all_gather_compressed)"
+                + (
+                    " (a gossip reducer exchanges with a group of replicas only: run it in the "
+                    "SPMD drivers)"
+                    if outer.reducer.name.startswith("gossip")
+                    else ""
+                )
             )
         mesh = mesh if mesh is not None else make_mesh(replica=1, data=-1)
         if mesh.shape.get(REPLICA) != 1:
