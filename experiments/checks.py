@@ -149,6 +149,7 @@ def _reads(o: OuterConfig) -> dict[str, tuple[bool, str, str]]:
         "topk": only("sparseloco"),
         "chunk": only("sparseloco"),
         "group_size": only("noloco"),
+        "beta2": (o.optimizer == "adam", "outer.optimizer is 'adam'", repr(o.optimizer)),
         "collective": (o.compression != "none", "outer.compression is set", repr(o.compression)),
     }
 
@@ -179,6 +180,12 @@ def _check_outer(config: Config, layers: int) -> None:
         _within("outer.topk", o.topk, 1, o.chunk, closed=True)
         if o.topk % 4:
             _fail("outer.topk", o.topk, "must be a multiple of 4 (2-bit values, 4 a byte)")
+    if o.lr_schedule != "constant" and o.lr_warmup >= t.rounds:
+        _fail(
+            "outer.lr_warmup",
+            o.lr_warmup,
+            f"must be < train.rounds={t.rounds} (the outer learning rate decays until then)",
+        )
     if o.algorithm == "noloco" and config.mesh.replica % o.group_size:
         _fail(
             "outer.group_size",

@@ -61,7 +61,12 @@ class Run(NamedTuple):
 
 
 def build_outer(
-    o: config_lib.OuterConfig, sync_every: int, schedule, params=None, num_replicas=None
+    o: config_lib.OuterConfig,
+    sync_every: int,
+    schedule,
+    params=None,
+    num_replicas=None,
+    rounds: int | None = None,
 ):
     """The outer algorithm from the library's registry (:mod:`co2jax.algorithms.registry`).
 
@@ -74,7 +79,7 @@ def build_outer(
             params, count, layers=r"blocks/(\d+)/", assign={r"^(?!embed)": count - 1}
         )
 
-    context = registry.Context(sync_every, params, schedule, num_replicas, fragmenter)
+    context = registry.Context(sync_every, params, schedule, num_replicas, fragmenter, rounds)
     return registry.build(o, context)
 
 
@@ -116,7 +121,7 @@ def build(cfg: config_lib.Config) -> Run:
         schedule = optax.linear_schedule(0.0, i.learning_rate, max(i.warmup_steps, 1))
     inner = optax.adamw(schedule, b1=i.b1, b2=i.b2, weight_decay=i.weight_decay)
     inner = registry.inner(cfg.outer, inner)  # DDP averages the gradients first
-    outer = build_outer(cfg.outer, t.sync_every, schedule, params)
+    outer = build_outer(cfg.outer, t.sync_every, schedule, params, rounds=t.rounds)
     mesh = co2jax.make_mesh(cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model)
     # Pallas' interpreter is not typed for shard_map's varying-axis check (docs/kernels.md)
     check_vma = cfg.outer.implementation != "interpret"

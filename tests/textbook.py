@@ -82,6 +82,30 @@ def diloco_nesterov(problem, lr, H, rounds, eta, mu, delay=0):
     return np.array(out)
 
 
+def diloco_scheduled(problem, lr, H, rounds, eta, mu, nesterov=True):
+    """DiLoCo with the outer hyper-parameters of outer step s: eta(s), mu(s) (functions).
+    b <- mu_s*b + g; theta <- theta - eta_s*(g + mu_s*b) (Nesterov) or - eta_s*b."""
+    anchor, b, out = problem.theta0.copy(), 0.0, []
+    for s in range(rounds):
+        g = _avg_pseudo_gradient(problem, anchor, lr, H)
+        b = mu(s) * b + g
+        anchor = anchor - eta(s) * ((g + mu(s) * b) if nesterov else b)
+        _record(out, anchor, problem.replicas)
+    return np.array(out)
+
+
+def diloco_adam(problem, lr, H, rounds, eta, b1, b2, eps=1e-8):
+    """DiLoCo with outer Adam: m <- b1*m + (1-b1)*g; v <- b2*v + (1-b2)*g^2;
+    theta <- theta - eta * (m / (1-b1^n)) / (sqrt(v / (1-b2^n)) + eps), n = s + 1."""
+    anchor, m, v, out = problem.theta0.copy(), 0.0, 0.0, []
+    for s in range(rounds):
+        g = _avg_pseudo_gradient(problem, anchor, lr, H)
+        m, v, n = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g, s + 1
+        anchor = anchor - eta * (m / (1 - b1**n)) / (np.sqrt(v / (1 - b2**n)) + eps)
+        _record(out, anchor, problem.replicas)
+    return np.array(out)
+
+
 def eager_nesterov(problem, lr, H, rounds, eta, mu, delay=1):
     """Delta-hat_r^(t) = Delta-bar^(t-d) + (Delta_r^(t) - Delta_r^(t-d)) / R, replica-local.
 

@@ -9,6 +9,7 @@ from co2jax.algorithms.fused import FusableTransformation, outer_sgd
 from co2jax.algorithms.guards import SkipNonfiniteState, skip_nonfinite
 from co2jax.algorithms.local_sgd import local_sgd
 from co2jax.algorithms.noloco import NoLoCoState, noloco
+from co2jax.algorithms.outer_schedules import outer_transform, snoo
 from co2jax.algorithms.pseudo_gradient import PseudoGradientState, pseudo_gradient_method
 from co2jax.algorithms.slowmo import SlowMomentumState, scale_by_slow_momentum, slowmo
 from co2jax.algorithms.sparseloco import sparseloco
@@ -34,12 +35,14 @@ __all__ = [
     "noloco",
     "NoLoCoState",
     "outer_sgd",
+    "outer_transform",
     "pseudo_gradient_method",
     "registry",
     "scale_by_co2_momentum",
     "scale_by_slow_momentum",
     "skip_nonfinite",
     "slowmo",
+    "snoo",
     "sparseloco",
     "streaming_diloco",
 ]

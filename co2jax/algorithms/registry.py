@@ -24,10 +24,16 @@ from co2jax.algorithms.co2 import MODES, co2
 from co2jax.algorithms.data_parallel import data_parallel, no_sync
 from co2jax.algorithms.diloco import delayed_diloco, diloco, eager_diloco
 from co2jax.algorithms.error_feedback import error_feedback
-from co2jax.algorithms.fused import outer_sgd
 from co2jax.algorithms.guards import skip_nonfinite
 from co2jax.algorithms.local_sgd import local_sgd
 from co2jax.algorithms.noloco import noloco
+from co2jax.algorithms.outer_schedules import (
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    learning_rate_schedule,
+    momentum_schedule,
+    outer_transform,
+)
 from co2jax.algorithms.slowmo import slowmo
 from co2jax.algorithms.sparseloco import sparseloco
 from co2jax.algorithms.streaming_diloco import streaming_diloco
@@ -49,6 +55,12 @@ class OuterConfig:
     learning_rate: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
+    optimizer: str = "sgd"  # the outer optax transform (outer_transform algorithms): sgd | adam
+    lr_schedule: str = "constant"  # by outer step: constant | cosine | linear
+    lr_warmup: int = 0  # outer steps of linear learning-rate warm-up from 0
+    lr_final: float = 0.0  # decayed learning rate at the last round, a fraction of the peak
+    momentum_warmup: int = 0  # outer steps of linear momentum ramp from 0
+    beta2: float = 0.99  # outer Adam's second-moment decay
     delay: int = 1
     clip_threshold: float | None = None
     penalty: str = "none"
@@ -78,6 +90,7 @@ class Context(NamedTuple):
       inner_learning_rate: the inner schedule (a function of the inner step; SlowMo).
       num_replicas: R, for a driver with no replica axis (separate jobs; eager updates).
       fragmenter: ``fragmenter(params, count) -> Fragments`` (default: every leaf a layer).
+      rounds: the run's outer steps, for a decaying outer learning rate.
     """
 
     sync_every: int
@@ -85,6 +98,7 @@ class Context(NamedTuple):
     inner_learning_rate: Callable[[Any], Any] | None = None
     num_replicas: int | None = None
     fragmenter: Callable[[Any, int], Fragments] | None = None
+    rounds: int | None = None
 
 
 class Capabilities(NamedTuple):
@@ -97,6 +111,8 @@ class Capabilities(NamedTuple):
       fragments: syncs parameter fragments (needs ``Context.params``).
       every_step: communicates every inner step (DDP's gradients), not per round.
       guardable: ``skip_nonfinite`` can wrap it (one transfer, replica-invariant anchor).
+      outer_transform: its outer step is an optax transform of the averaged pseudo-gradient,
+        so ``optimizer`` and the outer schedules apply.
       gossip: exchanges with a group of replicas only, never all of them (no gather form:
         it runs in the SPMD drivers, not as separate jobs).
     """
@@ -107,6 +123,7 @@ class Capabilities(NamedTuple):
     fragments: bool = False
     every_step: bool = False
     guardable: bool = True
+    outer_transform: bool = False
     gossip: bool = False
 
 
@@ -121,10 +138,14 @@ class Entry(NamedTuple):
     inner: Callable[[optax.GradientTransformation], Any] | None = None
 
 
-def _sgd(o: OuterConfig):
-    """optax.sgd's transform and state, runnable by the fused outer update."""
-    momentum = o.momentum or None  # 0: plain SGD (Nesterov then means nothing)
-    return outer_sgd(o.learning_rate, momentum, nesterov=o.nesterov and momentum is not None)
+def _sgd(o: OuterConfig, c: Context):
+    """The outer transform ``o`` names (optax.sgd by default, runnable by the fused outer
+    update while nothing is scheduled), its hyper-parameters by outer step."""
+    lr = learning_rate_schedule(
+        o.learning_rate, o.lr_schedule, warmup=o.lr_warmup, rounds=c.rounds, final=o.lr_final
+    )
+    momentum = momentum_schedule(o.momentum, o.momentum_warmup)
+    return outer_transform(o.optimizer, lr, momentum, nesterov=o.nesterov, b2=o.beta2)
 
 
 def _slowmo(o: OuterConfig, c: Context, reduce) -> OuterOptimizer:
@@ -153,7 +174,7 @@ def _streaming(o: OuterConfig, c: Context, reduce) -> OuterOptimizer:
         raise ValueError("streaming_diloco needs Context.params to cut into fragments")
     fragmenter = c.fragmenter or (lambda params, count: make_fragments(params, count))
     frags = fragmenter(c.params, o.fragments)
-    return streaming_diloco(_sgd(o), frags, c.sync_every, o.tau, o.alpha, reduce=reduce)
+    return streaming_diloco(_sgd(o, c), frags, c.sync_every, o.tau, o.alpha, reduce=reduce)
 
 
 _impl = lambda o: {"implementation": o.implementation}
@@ -167,22 +188,26 @@ REGISTRY: dict[str, Entry] = {
     ),
     "slowmo": Entry(_slowmo, Capabilities(), "slow momentum on periodic averaging"),
     "diloco": Entry(
-        lambda o, c, r: diloco(_sgd(o), reduce=r, **_impl(o)),
-        Capabilities(fusable=True, compressible=True), "outer Nesterov on pseudo-gradients",
+        lambda o, c, r: diloco(_sgd(o, c), reduce=r, **_impl(o)),
+        Capabilities(fusable=True, compressible=True, outer_transform=True),
+        "outer Nesterov on pseudo-gradients",
     ),
     "delayed_diloco": Entry(
-        lambda o, c, r: delayed_diloco(_sgd(o), o.delay, reduce=r, **_impl(o)),
-        Capabilities(delayed=True, fusable=True, compressible=True), "naive one-round delay",
+        lambda o, c, r: delayed_diloco(_sgd(o, c), o.delay, reduce=r, **_impl(o)),
+        Capabilities(delayed=True, fusable=True, compressible=True, outer_transform=True),
+        "naive one-round delay",
     ),
     "eager_diloco": Entry(
         lambda o, c, r: eager_diloco(
-            _sgd(o), o.delay, num_replicas=c.num_replicas, reduce=r, **_impl(o)
+            _sgd(o, c), o.delay, num_replicas=c.num_replicas, reduce=r, **_impl(o)
         ),
-        Capabilities(delayed=True, fusable=True, guardable=False), "eager updates",
+        Capabilities(delayed=True, fusable=True, guardable=False, outer_transform=True),
+        "eager updates",
     ),
     "co2": Entry(_co2, Capabilities(delayed=True, fusable=True), "CO2: stale outer momentum"),
     "streaming_diloco": Entry(
-        _streaming, Capabilities(compressible=True, fragments=True, guardable=False),
+        _streaming,
+        Capabilities(compressible=True, fragments=True, guardable=False, outer_transform=True),
         "DiLoCo one fragment at a time, overlapped by tau steps",
     ),
     "sparseloco": Entry(
@@ -218,6 +243,23 @@ def validate(o: OuterConfig, sync_every: int | None = None) -> OuterConfig:
         _fail("error_feedback", o.error_feedback, "needs outer.compression")
     if o.collective not in COLLECTIVES:
         _fail("collective", o.collective, f"must be one of {COLLECTIVES}")
+    if o.optimizer not in OPTIMIZERS:
+        _fail("optimizer", o.optimizer, f"must be one of {OPTIMIZERS}")
+    if o.lr_schedule not in LR_SCHEDULES:
+        _fail("lr_schedule", o.lr_schedule, f"must be one of {LR_SCHEDULES}")
+    if o.lr_warmup < 0 or o.momentum_warmup < 0:
+        name = "lr_warmup" if o.lr_warmup < 0 else "momentum_warmup"
+        _fail(name, getattr(o, name), "must be >= 0 (outer steps)")
+    if not 0 <= o.lr_final <= 1:
+        _fail("lr_final", o.lr_final, "must be in [0, 1] (a fraction of learning_rate)")
+    if not 0 <= o.beta2 < 1:
+        _fail("beta2", o.beta2, "must be in [0, 1)")
+    default = OuterConfig()
+    if not caps.outer_transform:
+        for name in ("optimizer", "lr_schedule", "lr_warmup", "lr_final", "momentum_warmup"):
+            if getattr(o, name) != getattr(default, name):
+                takes = tuple(n for n, e in REGISTRY.items() if e.capabilities.outer_transform)
+                _fail(name, getattr(o, name), f"applies to {takes}")
     if o.group_size < 1:
         _fail("group_size", o.group_size, "must be >= 1")
     if o.fragments < 1:
