@@ -142,12 +142,17 @@ def _reads(o: OuterConfig) -> dict[str, tuple[bool, str, str]]:
             "outer.algorithm is 'co2' and outer.mode is 'paper'",
             f"{o.algorithm!r}, {o.mode!r}",
         ),
-        "fragments": only("streaming_diloco"),
-        "tau": only("streaming_diloco"),
-        "alpha": only("streaming_diloco"),
-        "decay": only("sparseloco"),
-        "topk": only("sparseloco"),
+        "fragments": only("streaming_diloco", "cocodc"),
+        "tau": only("streaming_diloco", "cocodc"),
+        "alpha": only("streaming_diloco", "cocodc"),
+        "correction": only("cocodc"),
+        "hessian_scale": only("cocodc"),
+        "decay": only("sparseloco", "dct_diloco"),
+        "topk": only("sparseloco", "dct_diloco", "demo"),
         "chunk": only("sparseloco"),
+        "quantizer": only("sparseloco"),
+        "average": only("sparseloco"),
+        "dct_chunk": only("dct_diloco", "demo"),
         "group_size": only("noloco"),
         "beta2": (o.optimizer == "adam", "outer.optimizer is 'adam'", repr(o.optimizer)),
         "collective": (o.compression != "none", "outer.compression is set", repr(o.compression)),
@@ -175,11 +180,16 @@ def _check_outer(config: Config, layers: int) -> None:
             _fail(
                 "outer.penalty", o.penalty, "outer.mode='reference_code' takes 'none' or 'constant'"
             )
-    if o.algorithm == "sparseloco":
+    if o.algorithm == "sparseloco" and o.quantizer == "ternary":
         _within("outer.chunk", o.chunk, 1, 65536, closed=True)  # uint16 indices
         _within("outer.topk", o.topk, 1, o.chunk, closed=True)
         if o.topk % 4:
             _fail("outer.topk", o.topk, "must be a multiple of 4 (2-bit values, 4 a byte)")
+    if o.algorithm == "sparseloco" and o.quantizer == "production":
+        _within("outer.chunk", o.chunk, 1, 4096, closed=True)  # 12-bit indices
+        _within("outer.topk", o.topk, 2, min(o.chunk, 4096), closed=True)
+        if o.topk % 2:
+            _fail("outer.topk", o.topk, "must be even in the production quantizer")
     if o.lr_schedule != "constant" and o.lr_warmup >= t.rounds:
         _fail(
             "outer.lr_warmup",
@@ -199,7 +209,7 @@ def _check_outer(config: Config, layers: int) -> None:
             f"must be < train.rounds={t.rounds} (a round's average is applied outer.delay "
             "rounds later: none would arrive)",
         )
-    if o.algorithm == "streaming_diloco" and o.fragments > layers:
+    if o.algorithm in ("streaming_diloco", "cocodc") and o.fragments > layers:
         _fail(
             "outer.fragments",
             o.fragments,

@@ -103,13 +103,16 @@ def _one_line(error: BaseException, limit: int = 300) -> str:
 
 # outer fields only one algorithm reads (``registry.OuterConfig``'s comments)
 _ONLY_FOR = {
-    "fragments": "streaming_diloco",
-    "tau": "streaming_diloco",
-    "alpha": "streaming_diloco",
-    "decay": "sparseloco",
-    "topk": "sparseloco",
-    "chunk": "sparseloco",
-    "group_size": "noloco",
+    "fragments": ("streaming_diloco", "cocodc"),
+    "tau": ("streaming_diloco", "cocodc"),
+    "alpha": ("streaming_diloco", "cocodc"),
+    "correction": ("cocodc",),
+    "hessian_scale": ("cocodc",),
+    "decay": ("sparseloco", "dct_diloco"),
+    "topk": ("sparseloco", "dct_diloco", "demo"),
+    "chunk": ("sparseloco",),
+    "dct_chunk": ("dct_diloco", "demo"),
+    "group_size": ("noloco",),
 }
 
 
@@ -121,7 +124,7 @@ def _outer_hyper(cfg: config_lib.Config) -> dict:
     return {
         k: v
         for k, v in dataclasses.asdict(cfg.outer).items()
-        if k == "algorithm" or (v != default[k] and _ONLY_FOR.get(k, algorithm) == algorithm)
+        if k == "algorithm" or (v != default[k] and algorithm in _ONLY_FOR.get(k, (algorithm,)))
     }
 
 

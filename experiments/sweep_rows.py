@@ -60,8 +60,25 @@ SWEEP = [
         ],
     ),
     ("SparseLoCo", ["outer.algorithm=sparseloco", "outer.learning_rate=1.0"]),
+    (
+        "SparseLoCo production",
+        ["outer.algorithm=sparseloco", "outer.quantizer=production", "outer.topk=64"],
+    ),
     # gossip in pairs, the released code's outer momentum (docs/algorithms/noloco.md)
     ("NoLoCo", ["outer.algorithm=noloco", "outer.momentum=0.5"]),
+    # replica-local anchors sharing the top 32 DCT coefficients of their momentum; DeMo's
+    # momentum 0.999 at the inner learning rate (docs/algorithms/dct_diloco.md, demo.md)
+    ("DCT-momentum DiLoCo", ["outer.algorithm=dct_diloco"]),
+    ("DeMo", ["outer.algorithm=demo", "outer.momentum=0.999"]),
+    ("CoCoDC (reconstruction)", ["outer.algorithm=cocodc", "outer.alpha=0.0"]),
+    (
+        "DiLoCo outer Adam",
+        ["outer.algorithm=diloco", "outer.optimizer=adam", "outer.learning_rate=0.1"],
+    ),  # fmt: skip
+    (
+        "DiLoCo outer warm-up + cosine",
+        ["outer.algorithm=diloco", "outer.lr_schedule=cosine", "outer.lr_warmup=1"],
+    ),
 ]
 # --sweep compression: the rows that compare bandwidth (run it with a larger H, see docs)
 COMPRESSION = [
@@ -76,7 +93,7 @@ COMPRESSION = [
 # applied before the row's own (a setting on the command line drops the fix). micro's H = 2
 # with Streaming DiLoCo's 2 fragments leaves only tau = 0 (tau must be in [0, H // fragments));
 # the other algorithms refuse a tau at all (they would ignore it).
-PRESET_FIXES = {"micro": {"streaming_diloco": ["outer.tau=0"]}}
+PRESET_FIXES = {"micro": {"streaming_diloco": ["outer.tau=0"], "cocodc": ["outer.tau=0"]}}
 
 
 @dataclasses.dataclass(frozen=True)

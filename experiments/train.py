@@ -120,7 +120,7 @@ def build(cfg: config_lib.Config) -> Run:
     else:
         schedule = optax.linear_schedule(0.0, i.learning_rate, max(i.warmup_steps, 1))
     inner = optax.adamw(schedule, b1=i.b1, b2=i.b2, weight_decay=i.weight_decay)
-    inner = registry.inner(cfg.outer, inner)  # DDP averages the gradients first
+    inner = registry.inner(cfg.outer, inner, schedule)  # DDP averages gradients; DeMo replaces it
     outer = build_outer(cfg.outer, t.sync_every, schedule, params, rounds=t.rounds)
     mesh = co2jax.make_mesh(cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model)
     # Pallas' interpreter is not typed for shard_map's varying-axis check (docs/kernels.md)
@@ -234,6 +234,7 @@ def train(
         progress = tqdm(total=t.rounds, initial=start, desc=cfg.name, unit="round")
     eval_fn, eval_batch = run.eval_fn
     every_step = registry.REGISTRY[cfg.outer.algorithm].capabilities.every_step
+    step_bytes = registry.REGISTRY[cfg.outer.algorithm].step_bytes
     consensus = jax.jit(co2jax.consensus_distance)  # 0 unless replicas keep their own anchors
     saved, skipped_run, last_skipped = (start or None), 0, _skipped(state) or 0
     try:
@@ -246,8 +247,8 @@ def train(
                 metrics = jax.device_get(metrics)
                 seconds = time.perf_counter() - began
                 bytes_round = float(np.asarray(metrics.bytes_communicated)[0])
-                if every_step:  # DDP reduces its gradients every step
-                    bytes_round = 2.0 * (R - 1) / R * _param_bytes(run.params) * H if R > 1 else 0.0
+                if every_step:  # DDP and DeMo communicate in every inner step
+                    bytes_round = H * step_bytes(cfg.outer, run.params, R)
                 bytes_total += bytes_round
                 loss = np.asarray(metrics.loss)
                 record = {
@@ -267,7 +268,7 @@ def train(
                     "skipped": _skipped(state),
                     "clip_fraction": _clip_fraction(state, cfg.outer.clip_threshold),
                     "penalty_scale": _penalty_scale(state),
-                    "collective": "all-reduce (every step)"
+                    "collective": "in the inner transform (every step)"
                     if every_step
                     else f"{trainer.reducer_kind} ({len(trainer.transfers)} per round)",
                     "overlapped": trainer.outer.overlapped,
@@ -307,10 +308,6 @@ def train(
         if manager is not None:
             manager.close()
     return Result(history, state, streams.entropy_rate)
-
-
-def _param_bytes(params) -> int:
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -57,12 +57,13 @@ def _inner_scan(inner, params, inner_state, grad_fn, H):
 def registered(name: str, problem: Problem, lr: float, H: int, **overrides):
     """``(outer, inner)`` of the registry's algorithm ``name`` as the shared tests build it:
     the config of ``textbook.REGISTERED`` (plus ``overrides``), plain SGD inside."""
-    from textbook import REGISTERED
+    from textbook import REGISTERED, VARIANTS
 
-    config = registry.OuterConfig(algorithm=name, **{**REGISTERED[name][0], **overrides})
+    algorithm, fields = VARIANTS[name][:2] if name in VARIANTS else (name, REGISTERED[name][0])
+    config = registry.OuterConfig(algorithm=algorithm, **{**fields, **overrides})
     params = jax.tree.map(lambda x: x[0], initial_params(problem))
     context = registry.Context(H, params, lr, num_replicas=problem.replicas)
-    return registry.build(config, context), registry.inner(config, optax.sgd(lr))
+    return registry.build(config, context), registry.inner(config, optax.sgd(lr), lr)
 
 
 def syncs_per_round(outer) -> bool:
@@ -258,3 +259,19 @@ def run_rounds(outer, problem, lr, H, rounds, dtype=jnp.float32, inner=None):
     tx = co2jax.local_updates(inner, outer, H)
     got, _, state = run_vmap_steps(tx, problem, rounds * H, H, dtype)
     return got, state.outer_state
+
+
+def run_adapter(outer, inner, problem: Problem, H: int, rounds: int, mesh=None) -> np.ndarray:
+    """``local_updates(inner, outer, H)`` for ``rounds`` rounds under vmap, or on ``mesh``
+    (a (replica, data) mesh): every replica's parameters at the end of each round."""
+    tx = co2jax.local_updates(inner, outer, H)
+    if mesh is None:
+        return run_vmap_steps(tx, problem, rounds * H, H)[0]
+    args = shard_step_args(tx, problem, mesh)
+    step = shard_step(tx, mesh)
+    out = []
+    for i in range(rounds * H):
+        args = (*step(*args), *args[2:])
+        if (i + 1) % H == 0:
+            out.append(np.asarray(flatten(args[0]), np.float64))
+    return np.stack(out)

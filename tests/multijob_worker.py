@@ -29,6 +29,9 @@ def algorithms() -> tuple[str, ...]:
     # gossip exchanges with a group only: the transfer service's exchange is an all-gather
     caps = lambda e: e.capabilities
     names = [n for n, e in registry.REGISTRY.items() if not (caps(e).every_step or caps(e).gossip)]
+    import textbook as tb
+
+    names += [v for v, (base, _, _) in tb.VARIANTS.items() if base in names]
     return tuple(sorted(names, key=lambda n: n != "diloco"))
 
 

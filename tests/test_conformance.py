@@ -33,7 +33,7 @@ def _variant(make):
     return lambda problem, lr: (make(), optax.sgd(lr))
 
 
-ALGORITHMS = {name: _registered(name) for name in registry.NAMES}
+ALGORITHMS = {name: _registered(name) for name in (*registry.NAMES, *tb.VARIANTS)}
 ALGORITHMS.update(
     {
         "co2_gap_aware": _variant(lambda: co2jax.co2(1.0, 0.2, penalty=penalties.gap_aware())),
@@ -54,7 +54,20 @@ ALGORITHMS.update(
     }
 )
 NAMES = list(ALGORITHMS)
-TOPK = {"sparseloco"}  # payloads chosen by top-k magnitude
+TOPK = {
+    "sparseloco",
+    "sparseloco[production]",
+    "dct_diloco",
+    "demo",
+}  # payloads chosen by top-k magnitude
+# The released DCT-momentum DiLoCo steps each replica's anchor by its own pseudo-gradient plus
+# the shared momentum (docs/algorithms/dct_diloco.md): on this strongly heterogeneous problem
+# the replica-local anchors settle apart, short of the mean objective's optimum.
+# SparseLoCo's production aggregation (the mean over contributors, each replica clipped to the
+# median norm) weights replicas unevenly: on this problem it stops 8% of the gap short (the
+# paper's 1/R average, outer.average=replicas: 1.2%; docs/algorithms/sparseloco.md).
+SETTLES_APART = {"dct_diloco": 0.15, "sparseloco[production]": 0.1}
+SIGN_STEPS = {"demo"}  # updates are -lr * sign(u)
 
 
 def test_every_registered_algorithm_has_its_textbook_loop_and_page():
@@ -83,7 +96,7 @@ def test_converges_on_heterogeneous_quadratic(name):
     best = _global_loss(problem, optimum)
     start = _global_loss(problem, problem.theta0)
     final = _global_loss(problem, got[-1].mean(axis=0))
-    assert final - best < 0.05 * (start - best), (name, start, final, best)
+    assert final - best < SETTLES_APART.get(name, 0.05) * (start - best), (name, start, final, best)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -98,7 +111,13 @@ def test_bf16_stays_bf16(name):
         assert jnp.dtype(jnp.bfloat16) in dtypes(state)
     outer, inner = ALGORITHMS[name](problem, 0.1)
     got_f32, _ = harness.run_rounds(outer, problem, 0.1, H, 3, inner=inner)
-    if name in TOPK:
+    if name in SIGN_STEPS:
+        # sign steps of +-lr: a coordinate whose sign rounds the other way in bfloat16 moves
+        # the other way; compare how far each run got on the objective instead
+        start = _global_loss(problem, problem.theta0)
+        f32, bf16 = (_global_loss(problem, g[-1].mean(0)) for g in (got_f32, got_bf16))
+        assert abs(bf16 - f32) < 0.1 * (start - f32), (start, f32, bf16)
+    elif name in TOPK:
         # top-k of bfloat16 magnitudes selects another index where two round together: that
         # element moves by a whole step; the others stay within the bf16 tolerance
         close = np.isclose(got_bf16, got_f32, rtol=5e-2, atol=5e-2)

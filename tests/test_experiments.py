@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from co2jax.algorithms import registry
 from experiments import checks, compare, report, sweep_rows, train
 from experiments import config as config_lib
 from experiments import model as model_lib
@@ -84,7 +85,8 @@ def test_bad_configs_fail_before_compiling(overrides, match, tmp_path):
 @pytest.mark.parametrize("algorithm", config_lib.ALGORITHMS)
 def test_every_algorithm_runs_two_rounds(algorithm, tmp_path):
     momentum = "0.0" if algorithm in ("co2", "delayed_diloco", "eager_diloco") else "0.9"
-    extra = ["outer.tau=0"] if algorithm == "streaming_diloco" else []  # H = 2, P = 2
+    fragments = registry.REGISTRY[algorithm].capabilities.fragments
+    extra = ["outer.tau=0"] if fragments else []  # H = 2, P = 2
     cfg = _micro(tmp_path, f"outer.algorithm={algorithm}", f"outer.momentum={momentum}", *extra)
     result = train.train(cfg)
     assert [r["round"] for r in result.history] == [1, 2]

@@ -36,6 +36,11 @@ DRIVERS = (
 NOT_APPLICABLE = {
     ("streaming_diloco", "vmap_sync"): "applies fragments during the round: no round-level sync",
     ("streaming_diloco", "shard_map_sync"): "applies fragments during the round",
+    ("cocodc", "vmap_sync"): "applies fragments during the round: no round-level sync",
+    ("cocodc", "shard_map_sync"): "applies fragments during the round",
+    ("dct_diloco", "engine_sharded"): "the DCT of a data shard's chunks is another transform",
+    ("dct_diloco", "engine_fsdp"): "the DCT of a data shard's chunks is another transform",
+    ("demo", "engine_fsdp"): "the DCT of a data shard's chunks is another transform",
     ("sparseloco", "engine_sharded"): "top-k of a data shard's chunks is another algorithm",
     ("sparseloco", "engine_fsdp"): "top-k of a data shard's chunks is another algorithm",
     **{
@@ -44,7 +49,12 @@ NOT_APPLICABLE = {
         if not entry.capabilities.fusable
     },
 }
-CELLS = [(n, d) for n in registry.NAMES for d in DRIVERS if (n, d) not in NOT_APPLICABLE]
+NOT_APPLICABLE.update(
+    {(v, d): why for v, (base, _, _) in tb.VARIANTS.items() for (n, d), why in
+     list(NOT_APPLICABLE.items()) if n == base}
+)  # fmt: skip
+NAMES = (*registry.NAMES, *tb.VARIANTS)
+CELLS = [(n, d) for n in NAMES for d in DRIVERS if (n, d) not in NOT_APPLICABLE]
 
 
 @pytest.fixture(scope="module")
@@ -58,17 +68,7 @@ def mesh():
 
 
 def _adapter(outer, inner, problem, mesh=None):
-    tx = co2jax.local_updates(inner, outer, H)
-    if mesh is None:
-        return harness.run_vmap_steps(tx, problem, ROUNDS * H, H)[0]
-    args = harness.shard_step_args(tx, problem, mesh)
-    step = harness.shard_step(tx, mesh)
-    out = []
-    for i in range(ROUNDS * H):
-        args = (*step(*args), *args[2:])
-        if (i + 1) % H == 0:
-            out.append(np.asarray(harness.flatten(args[0]), np.float64))
-    return np.stack(out)
+    return harness.run_adapter(outer, inner, problem, H, ROUNDS, mesh)
 
 
 def _engine(outer, inner, problem, mesh, **kw):
@@ -104,7 +104,7 @@ def run(name, driver, problem, mesh):
 
 @pytest.mark.parametrize("name, driver", CELLS, ids=[f"{n}-{d}" for n, d in CELLS])
 def test_matches_textbook(name, driver, problem, mesh):
-    want = tb.REGISTERED[name][1](problem, LR, H, ROUNDS)
+    want = tb.loop_of(name)(problem, LR, H, ROUNDS)
     got = run(name, driver, problem, mesh)
     np.testing.assert_allclose(got, want, **TOL)
 
@@ -112,8 +112,10 @@ def test_matches_textbook(name, driver, problem, mesh):
 def test_the_textbook_loops_move():
     """No cell passes by standing still: every loop leaves theta0 by the third round."""
     problem = tb.make_problem(replicas=4, examples=2, dim=16, seed=5)
-    for name, (_, loop) in tb.REGISTERED.items():
-        assert np.abs(loop(problem, LR, H, ROUNDS)[-1] - problem.theta0).max() > 1e-2, name
+    for name in NAMES:
+        assert np.abs(tb.loop_of(name)(problem, LR, H, ROUNDS)[-1] - problem.theta0).max() > 1e-2, (
+            name
+        )
 
 
 def test_not_applicable_cells_are_the_documented_ones():

@@ -39,6 +39,16 @@ def make_problem(replicas: int = 4, examples: int = 2, dim: int = 5, seed: int =
     return Problem(d, c, theta0)
 
 
+def split_leaves(theta: np.ndarray, shapes) -> list[np.ndarray]:
+    """A flat vector cut into consecutive leaves of ``shapes``."""
+    out, offset = [], 0
+    for s in shapes:
+        n = int(np.prod(s))
+        out.append(theta[offset : offset + n].reshape(s))
+        offset += n
+    return out
+
+
 def inner_sgd(problem: Problem, r: int, theta: np.ndarray, lr: float, steps: int) -> np.ndarray:
     theta = theta.copy()
     for _ in range(steps):
@@ -325,6 +335,26 @@ def _streaming_registered(problem, lr, H, rounds):
     return streaming_nesterov(problem, lr, H, rounds, fragments, 1, 0.5, 0.7, 0.9)
 
 
+def _cocodc_registered(problem, lr, H, rounds):
+    from textbook_cocodc import cocodc_nesterov
+
+    dim = problem.d.shape[1]
+    fragments = [[0, 1], list(range(2, dim))]
+    return cocodc_nesterov(problem, lr, H, rounds, fragments, 1, 0.5, 0.7, 0.9, "zeroth")[0]
+
+
+def _dct_diloco_registered(problem, lr, H, rounds):
+    from textbook_dct import dct_diloco
+
+    return dct_diloco(problem, lr, H, rounds, 0.7, 0.95, 3, 8)
+
+
+def _demo_registered(problem, lr, H, rounds):
+    from textbook_dct import demo
+
+    return demo(problem, lr, H, rounds, 0.9, 3, 8)
+
+
 REGISTERED = {
     "ddp": ({}, data_parallel_sgd),
     "local_sgd": ({}, local_sgd),
@@ -359,9 +389,42 @@ REGISTERED = {
         {"learning_rate": 1.0, "decay": 0.95, "topk": 4, "chunk": 8},
         lambda p, lr, H, rounds: sparseloco(p, lr, H, rounds, 1.0, 0.95, 4, 8, True),
     ),
+    # the two 1-D leaves in DCT chunks of 8 (largest divisors: 2 and 7), the top 3 of each
+    "dct_diloco": (
+        {"learning_rate": 0.7, "decay": 0.95, "topk": 3, "dct_chunk": 8},
+        _dct_diloco_registered,
+    ),
+    "demo": ({"momentum": 0.9, "topk": 3, "dct_chunk": 8}, _demo_registered),
+    # Streaming DiLoCo's setting with the zeroth-order delay compensation
+    "cocodc": (
+        {"learning_rate": 0.7, "momentum": 0.9, "fragments": 2, "tau": 1, "alpha": 0.5},
+        _cocodc_registered,
+    ),
     # groups of 2 of the 4 replicas: the anchors differ between groups
     "noloco": (
         {"learning_rate": 0.7, "momentum": 0.5, "group_size": 2},
         lambda p, lr, H, rounds: noloco(p, lr, H, rounds, 0.7, 0.5, 2),
     ),
 }
+
+
+def _sparseloco_production_registered(problem, lr, H, rounds):
+    from textbook_sparseloco import sparseloco_production
+
+    return sparseloco_production(problem, lr, H, rounds, 1.0, 0.95, 4, (64, 64), 16)
+
+
+# Second modes of a registered algorithm: (algorithm, config overrides, loop), run in the same
+# drivers. SparseLoCo's production quantizer: the top 4 of each leaf (k < the chunk of 16).
+VARIANTS = {
+    "sparseloco[production]": (
+        "sparseloco",
+        {"learning_rate": 1.0, "decay": 0.95, "topk": 4, "chunk": 16, "quantizer": "production"},
+        _sparseloco_production_registered,
+    ),
+}
+
+
+def loop_of(name: str):
+    """The textbook loop of a registered algorithm or of a variant."""
+    return VARIANTS[name][2] if name in VARIANTS else REGISTERED[name][1]

@@ -2,7 +2,10 @@
 
 from co2jax.algorithms import registry
 from co2jax.algorithms.co2 import CO2MomentumState, co2, scale_by_co2_momentum
+from co2jax.algorithms.cocodc import CoCoDCState, cocodc
 from co2jax.algorithms.data_parallel import NoSyncState, data_parallel, no_sync
+from co2jax.algorithms.dct_diloco import DCTDiLoCoState, dct_diloco
+from co2jax.algorithms.demo import DeMoState, demo
 from co2jax.algorithms.diloco import delayed_diloco, diloco, eager_diloco
 from co2jax.algorithms.error_feedback import ErrorFeedbackState, error_feedback
 from co2jax.algorithms.fused import FusableTransformation, outer_sgd
@@ -17,6 +20,9 @@ from co2jax.algorithms.streaming_diloco import StreamingState, streaming_diloco
 
 __all__ = [
     "CO2MomentumState",
+    "DCTDiLoCoState",
+    "DeMoState",
+    "CoCoDCState",
     "ErrorFeedbackState",
     "FusableTransformation",
     "NoSyncState",
@@ -25,7 +31,10 @@ __all__ = [
     "SlowMomentumState",
     "StreamingState",
     "co2",
+    "cocodc",
     "data_parallel",
+    "dct_diloco",
+    "demo",
     "delayed_diloco",
     "diloco",
     "eager_diloco",

@@ -21,7 +21,10 @@ import optax
 
 from co2jax import penalties
 from co2jax.algorithms.co2 import MODES, co2
+from co2jax.algorithms.cocodc import CORRECTIONS, cocodc
 from co2jax.algorithms.data_parallel import data_parallel, no_sync
+from co2jax.algorithms.dct_diloco import dct_diloco
+from co2jax.algorithms.demo import demo
 from co2jax.algorithms.diloco import delayed_diloco, diloco, eager_diloco
 from co2jax.algorithms.error_feedback import error_feedback
 from co2jax.algorithms.guards import skip_nonfinite
@@ -35,12 +38,17 @@ from co2jax.algorithms.outer_schedules import (
     outer_transform,
 )
 from co2jax.algorithms.slowmo import slowmo
+from co2jax.algorithms.sparseloco import MODES as SPARSE_MODES
 from co2jax.algorithms.sparseloco import sparseloco
 from co2jax.algorithms.streaming_diloco import streaming_diloco
 from co2jax.comm import FORMATS, all_gather_compressed, all_reduce_compressed, make
+from co2jax.comm.dct import all_gather_dct_topk
+from co2jax.comm.reducer import ring_bytes
+from co2jax.comm.sparse_quant import AVERAGES
 from co2jax.fragments import Fragments, make_fragments
 from co2jax.kernels.api import IMPLEMENTATIONS
 from co2jax.protocol import OuterOptimizer
+from co2jax.tree import tree_bytes
 
 COMPRESSIONS = tuple(f for f in FORMATS if f != "topk")  # topk needs k and a chunk: SparseLoCo
 COLLECTIVES = ("all_gather", "two_step")  # how compressed payloads are reduced
@@ -76,9 +84,14 @@ class OuterConfig:
     tau: int = 1  # streaming_diloco: inner steps between sending and applying a fragment
     alpha: float = 0.5  # streaming_diloco: merge weight of the local values
     decay: float = 0.95  # sparseloco: error-feedback decay
-    topk: int = 32  # sparseloco: values kept per chunk
-    chunk: int = 4096  # sparseloco: chunk size
+    topk: int = 32  # sparseloco, dct_diloco, demo: values kept per chunk (production: 64)
+    chunk: int = 4096  # sparseloco: chunk size (production: of a 1-D tensor)
+    quantizer: str = "ternary"  # sparseloco: ternary | production (4 bins, 64x64 tiles)
+    average: str = "contributors"  # sparseloco production: contributors | replicas (1/R)
     group_size: int = 2  # noloco: replicas per gossip group
+    dct_chunk: int = 64  # dct_diloco, demo: DCT chunk side (each axis: its largest divisor <=)
+    correction: str = "zeroth"  # cocodc: none | zeroth | first (delay compensation)
+    hessian_scale: float = 0.5  # cocodc: lambda of the first-order correction
 
 
 class Context(NamedTuple):
@@ -129,13 +142,16 @@ class Capabilities(NamedTuple):
 
 class Entry(NamedTuple):
     """``build(config, context, reduce) -> OuterOptimizer`` (``reduce``: the compressed
-    reducer, or None), its capabilities, a one-line summary and, for DDP, the wrapper of the
-    inner transform."""
+    reducer, or None), its capabilities, a one-line summary and, for an algorithm that
+    communicates every step (DDP, DeMo), ``inner(transform, config, learning_rate)``: the
+    inner transform it runs in place of ``transform`` and ``step_bytes(config, params,
+    replicas)``, the bytes one replica sends per inner step."""
 
     build: Callable[[OuterConfig, Context, Any], OuterOptimizer]
     capabilities: Capabilities
     summary: str
-    inner: Callable[[optax.GradientTransformation], Any] | None = None
+    inner: Callable[[optax.GradientTransformation, OuterConfig, Any], Any] | None = None
+    step_bytes: Callable[[OuterConfig, Any, int], float] | None = None
 
 
 def _sgd(o: OuterConfig, c: Context):
@@ -169,19 +185,40 @@ def _co2(o: OuterConfig, c: Context, reduce) -> OuterOptimizer:
     )  # fmt: skip
 
 
-def _streaming(o: OuterConfig, c: Context, reduce) -> OuterOptimizer:
+def _fragments(o: OuterConfig, c: Context) -> Fragments:
     if c.params is None:
-        raise ValueError("streaming_diloco needs Context.params to cut into fragments")
+        raise ValueError(f"{o.algorithm} needs Context.params to cut into fragments")
     fragmenter = c.fragmenter or (lambda params, count: make_fragments(params, count))
-    frags = fragmenter(c.params, o.fragments)
+    return fragmenter(c.params, o.fragments)
+
+
+def _streaming(o: OuterConfig, c: Context, reduce) -> OuterOptimizer:
+    frags = _fragments(o, c)
     return streaming_diloco(_sgd(o, c), frags, c.sync_every, o.tau, o.alpha, reduce=reduce)
+
+
+def _cocodc(o: OuterConfig, c: Context, reduce) -> OuterOptimizer:
+    frags = _fragments(o, c)
+    return cocodc(
+        _sgd(o, c), frags, c.sync_every, o.tau, o.alpha, o.correction, o.hessian_scale,
+        reduce=reduce,
+    )  # fmt: skip
+
+
+def _demo(transform, o: OuterConfig, learning_rate):
+    del transform  # DeMo is the whole inner optimizer: sign steps at the inner learning rate
+    if learning_rate is None:
+        raise ValueError("demo needs the inner learning rate (registry.inner(..., learning_rate))")
+    return demo(learning_rate, o.momentum, o.topk, o.dct_chunk)
 
 
 _impl = lambda o: {"implementation": o.implementation}
 REGISTRY: dict[str, Entry] = {
     "ddp": Entry(
         lambda o, c, r: no_sync(), Capabilities(every_step=True, guardable=False),
-        "data-parallel baseline: gradients all-reduced every step", inner=data_parallel,
+        "data-parallel baseline: gradients all-reduced every step",
+        inner=lambda transform, o, lr: data_parallel(transform),
+        step_bytes=lambda o, params, r: ring_bytes(tree_bytes(params), r),
     ),
     "local_sgd": Entry(
         lambda o, c, r: local_sgd(reduce=r), Capabilities(), "periodic model averaging"
@@ -211,8 +248,29 @@ REGISTRY: dict[str, Entry] = {
         "DiLoCo one fragment at a time, overlapped by tau steps",
     ),
     "sparseloco": Entry(
-        lambda o, c, r: sparseloco(o.learning_rate, o.decay, o.topk, o.chunk), Capabilities(),
+        lambda o, c, r: sparseloco(
+            o.learning_rate, o.decay, o.topk, o.chunk, mode=o.quantizer, average=o.average
+        ),
+        Capabilities(),
         "top-k error feedback, 2-bit values, sparse all-gather",
+    ),
+    "dct_diloco": Entry(
+        lambda o, c, r: dct_diloco(o.learning_rate, o.decay, o.topk, o.dct_chunk),
+        Capabilities(guardable=False),
+        "replica-local DiLoCo sharing only the top-k DCT coefficients of its momentum",
+    ),
+    "demo": Entry(
+        lambda o, c, r: no_sync(), Capabilities(every_step=True, guardable=False),
+        "DeMo: sign steps on shared top-k DCT coefficients of a local momentum, every step",
+        inner=_demo,
+        step_bytes=lambda o, params, r: all_gather_dct_topk(o.topk, o.dct_chunk).wire_bytes(
+            params, r
+        ),
+    ),
+    "cocodc": Entry(
+        _cocodc,
+        Capabilities(compressible=True, fragments=True, guardable=False, outer_transform=True),
+        "Streaming DiLoCo with delay compensation at apply (a reconstruction)",
     ),
     "noloco": Entry(
         lambda o, c, r: noloco(o.learning_rate, o.momentum, o.group_size, sync_every=c.sync_every),
@@ -260,6 +318,16 @@ def validate(o: OuterConfig, sync_every: int | None = None) -> OuterConfig:
             if getattr(o, name) != getattr(default, name):
                 takes = tuple(n for n, e in REGISTRY.items() if e.capabilities.outer_transform)
                 _fail(name, getattr(o, name), f"applies to {takes}")
+    if o.quantizer not in SPARSE_MODES:
+        _fail("quantizer", o.quantizer, f"must be one of {SPARSE_MODES}")
+    if o.average not in AVERAGES:
+        _fail("average", o.average, f"must be one of {AVERAGES}")
+    if o.dct_chunk < 1:
+        _fail("dct_chunk", o.dct_chunk, "must be >= 1")
+    if o.correction not in CORRECTIONS:
+        _fail("correction", o.correction, f"must be one of {CORRECTIONS}")
+    if o.hessian_scale < 0:
+        _fail("hessian_scale", o.hessian_scale, "must be >= 0")
     if o.group_size < 1:
         _fail("group_size", o.group_size, "must be >= 1")
     if o.fragments < 1:
@@ -313,7 +381,9 @@ def build(o: OuterConfig, context: Context) -> OuterOptimizer:
     return outer
 
 
-def inner(o: OuterConfig, transform: optax.GradientTransformation):
-    """The inner transform as ``o``'s algorithm runs it (DDP averages gradients first)."""
+def inner(o: OuterConfig, transform: optax.GradientTransformation, learning_rate=None):
+    """The inner transform as ``o``'s algorithm runs it: ``transform`` itself, averaged
+    gradients first (DDP), or DeMo in its place (at ``learning_rate``, a number or a schedule
+    of the inner step)."""
     wrap = REGISTRY[o.algorithm].inner
-    return transform if wrap is None else wrap(transform)
+    return transform if wrap is None else wrap(transform, o, learning_rate)

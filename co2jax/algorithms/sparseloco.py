@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
-from co2jax._checks import check_positive, check_unit_interval
+from typing import Any
+
+from co2jax._checks import check_choice, check_int, check_positive, check_unit_interval
 from co2jax.algorithms.diloco import diloco
 from co2jax.algorithms.error_feedback import error_feedback
 from co2jax.algorithms.fused import outer_sgd
 from co2jax.axes import REPLICA
 from co2jax.comm import all_gather_topk, two_bit
+from co2jax.comm.sparse_quant import AVERAGES, all_gather_topk_quantized
 from co2jax.protocol import OuterOptimizer
+
+MODES = ("ternary", "production")
+_DEFAULT_K = {"ternary": 32, "production": 64}
 
 
 def sparseloco(
     learning_rate: float = 1.0,
     decay: float = 0.95,
-    k: int = 32,
+    k: int | None = None,
     chunk: int = 4096,
     *,
     quantize: bool = True,
+    mode: str = "ternary",
+    average: str = "contributors",
+    tile: tuple[int, int] | None = None,
+    clip: bool = True,
     axis_name: str = REPLICA,
 ) -> OuterOptimizer:
     """SparseLoCo: top-k of an error-feedback accumulator, 2-bit values, sparse all-gather.
@@ -33,20 +43,38 @@ def sparseloco(
             \\hat\\Delta_{r,i}
 
     where the mean at index i is over the replicas that selected i (an all-gather of the k
-    (index, value) pairs per chunk; no all-reduce, no outer momentum). Each replica sends its
-    encoding as error feedback made it, so the selected indices travel with the values: a
-    selected value that 2-bit quantization rounds to zero still counts as selected. Defaults of
-    the predecessor code (docs/algorithms/sparseloco.md): alpha 1.0, beta 0.95, chunks of
-    64x64 = 4096 with the top 32 (0.8% density); H (15 there) belongs to the training loop.
-    The 2-bit format is :func:`co2jax.comm.two_bit` (ternary, one scale per chunk's k
-    values); whether it is the paper's exact 2-bit quantizer is unverified.
+    (index, value) pairs per chunk; no all-reduce, no outer momentum), or over all R with
+    ``average="replicas"``. Each replica sends its encoding as error feedback made it, so the
+    selected indices travel with the values: a selected value that 2-bit quantization rounds
+    to zero still counts as selected.
+
+    ``mode="ternary"`` (the default): chunks of ``chunk`` consecutive elements of the
+    flattened payload, values by :func:`co2jax.comm.two_bit` (ternary, one scale per chunk's
+    k values), top 32 per 4096 (0.8% density); whether this is the paper's exact quantizer is
+    unverified.
+
+    ``mode="production"``: the quantizer of the authors' released code,
+    :func:`co2jax.comm.all_gather_topk_quantized`: per tensor, the top ``k`` (64) of every
+    ``tile`` (64x64; ``chunk`` elements for a leaf of one axis), 2-bit codes over four
+    asymmetric bins fitted to all of the tensor's kept values, 12-bit indices (0.219 bits per
+    parameter of a large matrix), and each replica's tensor clipped to the median of the
+    replicas' norms before the mean (``clip``). The defaults of both modes (alpha 1.0, beta
+    0.95) are the released code's; H (30 there, 15 in the predecessor) belongs to the
+    training loop. The released code also scales the accumulator's input by the outer
+    learning rate (``e <- beta e + alpha Delta``): the same at alpha = 1.
 
     Args:
       learning_rate: alpha (> 0).
       decay: beta, the accumulator's decay, in [0, 1].
-      k: values kept per chunk.
-      chunk: elements per chunk (<= 65536, indices are uint16).
-      quantize: 2-bit values (else float32 values).
+      k: values kept per chunk (default 32 ternary, 64 production).
+      chunk: elements per chunk (ternary: <= 65536; production: the largest chunk of a leaf
+        of one axis, <= 4096).
+      quantize: 2-bit values (else float32 values; ternary only).
+      mode: ``"ternary"`` or ``"production"``.
+      average: ``"contributors"`` or ``"replicas"``.
+      tile: production: the largest ``(h, w)`` tile of a leaf of two or more axes (default
+        ``(64, 64)``).
+      clip: production: the median-norm clip.
       axis_name: the replica axis.
 
     Example:
@@ -58,12 +86,46 @@ def sparseloco(
       >>> params  # each index averaged over the one replica that sent it
       Array([[ 1., -3.],
              [ 1., -3.]], dtype=float32)
+      >>> outer = co2jax.sparseloco(mode="production", k=2, chunk=4)
+      >>> state = jax.vmap(outer.init)({"w": jnp.zeros((1, 4))})  # one replica
+      >>> params, state = jax.vmap(outer.sync, axis_name="replica")(
+      ...     {"w": jnp.array([[-4.0, 0.5, 1.0, 2.0]])}, state)
+      >>> params["w"][0], state.residuals[0]["w"][0]  # Delta's 4 and -2 share a bin
+      (Array([-1.,  0.,  0., -1.], dtype=float32), Array([ 3. , -0.5, -1. , -3. ], dtype=float32))
+
+    References:
+      Sarfi et al., "SparseLoCo: Communication-Efficient LLM Training", arXiv 2508.15706;
+      Covenant-72B, arXiv 2603.08163 (the production quantizer).
     """
+    check_choice("mode", mode, MODES)
     check_positive("learning_rate", learning_rate)
     decay = check_unit_interval("decay", decay, closed_right=True)
-    values = two_bit(block=k) if quantize and k % 4 == 0 else None
-    if quantize and values is None:
-        raise ValueError(f"2-bit values pack 4 per byte: k must be a multiple of 4, got k={k!r}")
-    reduce = all_gather_topk(k, chunk, values, "contributors", axis_name)
+    check_choice("average", average, AVERAGES)
+    k = _DEFAULT_K[mode] if k is None else k
+    if mode == "production":
+        reduce = _production(k, chunk, quantize, tile, clip, average, axis_name)
+    else:
+        for name, value, default in (("tile", tile, None), ("clip", clip, True)):
+            if value is not default:
+                raise ValueError(
+                    f"{name} applies to mode='production', got {name}={value!r} with mode='ternary'"
+                )
+        values = two_bit(block=k) if quantize and check_int("k", k, 1) % 4 == 0 else None
+        if quantize and values is None:
+            raise ValueError(
+                f"2-bit values pack 4 per byte: k must be a multiple of 4, got k={k!r}"
+            )
+        reduce = all_gather_topk(k, chunk, values, average, axis_name)
     inner = diloco(outer_sgd(learning_rate), axis_name=axis_name, reduce=reduce)
     return error_feedback(inner, decay)
+
+
+def _production(k, chunk, quantize, tile: Any, clip, average, axis_name):
+    if quantize is not True:
+        raise ValueError(
+            f"mode='production' always quantizes its values, got quantize={quantize!r}"
+        )
+    tile = (64, 64) if tile is None else tile
+    return all_gather_topk_quantized(
+        k, tile, chunk, average=average, clip=clip, axis_name=axis_name
+    )

@@ -21,6 +21,14 @@ from co2jax.comm.codecs import (
     two_bit,
 )
 from co2jax.comm.compressed import all_gather_compressed, all_gather_topk, all_reduce_compressed
+from co2jax.comm.dct import (
+    all_gather_dct_topk,
+    chunked_dct,
+    chunked_idct,
+    dct_basis,
+    dct_chunk_shape,
+    dct_topk,
+)
 from co2jax.comm.gossip import gossip_groups, gossip_mean, gossip_payload
 from co2jax.comm.reducer import (
     EXACT,
@@ -36,6 +44,11 @@ from co2jax.comm.reducer import (
     ring_mean,
     values,
 )
+from co2jax.comm.sparse_quant import (
+    all_gather_topk_quantized,
+    dequantize_values,
+    quantize_values,
+)
 
 __all__ = [
     "EXACT",
@@ -44,13 +57,21 @@ __all__ = [
     "Encoded",
     "Reducer",
     "all_gather_compressed",
+    "all_gather_dct_topk",
     "all_gather_mean",
     "all_gather_stacked",
     "all_gather_topk",
+    "all_gather_topk_quantized",
     "all_reduce_compressed",
     "as_reducer",
     "bf16",
     "chunks",
+    "chunked_dct",
+    "chunked_idct",
+    "dct_basis",
+    "dct_chunk_shape",
+    "dct_topk",
+    "dequantize_values",
     "exact_mean",
     "fp4",
     "fp8",
@@ -63,6 +84,7 @@ __all__ = [
     "none",
     "pmean",
     "policy",
+    "quantize_values",
     "ring_bytes",
     "ring_mean",
     "topk",
