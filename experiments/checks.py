@@ -74,7 +74,7 @@ def _from_library(error: ValueError) -> ConfigError:
 
 _STEPS = 2**31  # optax's and the engine's step counters are int32
 _SEEDS = 2**63  # jax.random.key takes an int64
-_DELAYED = ("delayed_diloco", "eager_diloco")
+_DELAYED = ("delayed_diloco", "eager_diloco", "diloco_x")
 
 
 def _at_least(key: str, value: int, lo: int, note: str = "") -> None:
@@ -154,6 +154,8 @@ def _reads(o: OuterConfig) -> dict[str, tuple[bool, str, str]]:
         "average": only("sparseloco"),
         "dct_chunk": only("dct_diloco", "demo"),
         "group_size": only("noloco"),
+        "rank": only("diloco_x"),
+        "factors": only("diloco_x"),
         "beta2": (o.optimizer == "adam", "outer.optimizer is 'adam'", repr(o.optimizer)),
         "collective": (o.compression != "none", "outer.compression is set", repr(o.compression)),
     }

@@ -49,7 +49,15 @@ from experiments import checks, train
 from experiments import config as config_lib
 from experiments import model as model_lib
 from experiments.report import progress_line, write_atomic, write_report
-from experiments.sweep_rows import COMPRESSION, PRESET_FIXES, SWEEP, Link, row_flag, summarise
+from experiments.sweep_rows import (
+    ABLATIONS,
+    COMPRESSION,
+    PRESET_FIXES,
+    SWEEP,
+    Link,
+    row_flag,
+    summarise,
+)
 
 # the cost model is documented as experiments.compare.simulated_round_s (benchmarks import it)
 from experiments.sweep_rows import simulated_round_s as simulated_round_s
@@ -113,6 +121,8 @@ _ONLY_FOR = {
     "chunk": ("sparseloco",),
     "dct_chunk": ("dct_diloco", "demo"),
     "group_size": ("noloco",),
+    "rank": ("diloco_x",),
+    "factors": ("diloco_x",),
 }
 
 
@@ -345,8 +355,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sweep",
         default="all",
-        choices=["all", "compression"],
-        help="all: every algorithm; compression: DDP, DiLoCo and the compressed/streamed rows",
+        choices=["all", "compression", "ablations"],
+        help="all: every algorithm; compression: DDP, DiLoCo and the compressed/streamed rows; "
+        "ablations: one setting changed (tau 4, outer Adam, an outer warm-up)",
+    )
+    parser.add_argument(
+        "--rows",
+        default=None,
+        help="comma-separated row labels to run, in the sweep's order (default: the --sweep)",
     )
     parser.add_argument(
         "--rerun",
@@ -377,7 +393,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out or f"results/{args.preset}")
     link = Link(args.bandwidth_gbps, args.latency_ms, args.overlap_slowdown)
-    sweep = SWEEP if args.sweep == "all" else [e for e in SWEEP if e[0] in COMPRESSION]
+    sweep = {
+        "all": SWEEP,
+        "compression": [e for e in SWEEP if e[0] in COMPRESSION],
+        "ablations": ABLATIONS,
+    }[args.sweep]
+    if args.rows is not None:
+        every = SWEEP + ABLATIONS
+        wanted = [label.strip() for label in args.rows.split(",") if label.strip()]
+        unknown = [label for label in wanted if label not in {e[0] for e in every}]
+        if unknown or not wanted:
+            labels = ", ".join(e[0] for e in every)
+            parser.error(f"--rows: unknown row(s) {unknown or args.rows!r}; the rows: {labels}")
+        sweep = [e for e in every if e[0] in wanted]
     print(f"co2jax compare: preset {args.preset}, {len(sweep)} rows, writing {out}/report.md")
     try:
         rows = run_sweep(

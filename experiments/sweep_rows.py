@@ -71,13 +71,25 @@ SWEEP = [
     ("DCT-momentum DiLoCo", ["outer.algorithm=dct_diloco"]),
     ("DeMo", ["outer.algorithm=demo", "outer.momentum=0.999"]),
     ("CoCoDC (reconstruction)", ["outer.algorithm=cocodc", "outer.alpha=0.0"]),
+    # one round of delay, rank-32 int4 factors of each matrix (docs/algorithms/diloco_x.md)
+    ("DiLoCoX (reconstruction)", ["outer.algorithm=diloco_x"]),
+]
+# --sweep ablations: one setting changed against a row above (not valid on micro: tau 4 needs
+# H >= 10 with 2 fragments, a warm-up needs more rounds than micro's 2)
+ABLATIONS = [
+    # four overlapped steps per fragment: more drift for the compensation to correct
+    (
+        "Streaming DiLoCo tau 4",
+        ["outer.algorithm=streaming_diloco", "outer.alpha=0.0", "outer.tau=4"],
+    ),
+    ("CoCoDC tau 4", ["outer.algorithm=cocodc", "outer.alpha=0.0", "outer.tau=4"]),
     (
         "DiLoCo outer Adam",
-        ["outer.algorithm=diloco", "outer.optimizer=adam", "outer.learning_rate=0.1"],
-    ),  # fmt: skip
+        ["outer.algorithm=diloco", "outer.optimizer=adam", "outer.learning_rate=0.01"],
+    ),
     (
         "DiLoCo outer warm-up + cosine",
-        ["outer.algorithm=diloco", "outer.lr_schedule=cosine", "outer.lr_warmup=1"],
+        ["outer.algorithm=diloco", "outer.lr_schedule=cosine", "outer.lr_warmup=3"],
     ),
 ]
 # --sweep compression: the rows that compare bandwidth (run it with a larger H, see docs)

@@ -38,6 +38,8 @@ NOT_APPLICABLE = {
     ("streaming_diloco", "shard_map_sync"): "applies fragments during the round",
     ("cocodc", "vmap_sync"): "applies fragments during the round: no round-level sync",
     ("cocodc", "shard_map_sync"): "applies fragments during the round",
+    ("diloco_x", "engine_sharded"): "factors of a data shard are another algorithm",
+    ("diloco_x", "engine_fsdp"): "factors of a data shard are another algorithm",
     ("dct_diloco", "engine_sharded"): "the DCT of a data shard's chunks is another transform",
     ("dct_diloco", "engine_fsdp"): "the DCT of a data shard's chunks is another transform",
     ("demo", "engine_fsdp"): "the DCT of a data shard's chunks is another transform",

@@ -355,6 +355,13 @@ def _demo_registered(problem, lr, H, rounds):
     return demo(problem, lr, H, rounds, 0.9, 3, 8)
 
 
+def _diloco_x_registered(problem, lr, H, rounds):
+    from textbook_lowrank import diloco_x
+
+    shapes = ((2,), (problem.d.shape[1] - 2,))  # 1-D leaves: sent dense, in int4
+    return diloco_x(problem, lr, H, rounds, 0.5, 0.5, shapes, 32, ())[0]
+
+
 REGISTERED = {
     "ddp": ({}, data_parallel_sgd),
     "local_sgd": ({}, local_sgd),
@@ -399,6 +406,12 @@ REGISTERED = {
     "cocodc": (
         {"learning_rate": 0.7, "momentum": 0.9, "fragments": 2, "tau": 1, "alpha": 0.5},
         _cocodc_registered,
+    ),
+    # one round of delay; the shared problem's leaves are vectors: int4, no factors (the
+    # low-rank path is matched in tests/test_lowrank.py)
+    "diloco_x": (
+        {"learning_rate": 0.5, "momentum": 0.5, "delay": 1, "rank": 32, "factors": "int4"},
+        _diloco_x_registered,
     ),
     # groups of 2 of the 4 replicas: the anchors differ between groups
     "noloco": (

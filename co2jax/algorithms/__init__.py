@@ -7,10 +7,12 @@ from co2jax.algorithms.data_parallel import NoSyncState, data_parallel, no_sync
 from co2jax.algorithms.dct_diloco import DCTDiLoCoState, dct_diloco
 from co2jax.algorithms.demo import DeMoState, demo
 from co2jax.algorithms.diloco import delayed_diloco, diloco, eager_diloco
+from co2jax.algorithms.diloco_x import adapt, diloco_x, exchange_seconds
 from co2jax.algorithms.error_feedback import ErrorFeedbackState, error_feedback
 from co2jax.algorithms.fused import FusableTransformation, outer_sgd
 from co2jax.algorithms.guards import SkipNonfiniteState, skip_nonfinite
 from co2jax.algorithms.local_sgd import local_sgd
+from co2jax.algorithms.low_rank import LowRankState, carry_over, low_rank
 from co2jax.algorithms.noloco import NoLoCoState, noloco
 from co2jax.algorithms.outer_schedules import outer_transform, snoo
 from co2jax.algorithms.pseudo_gradient import PseudoGradientState, pseudo_gradient_method
@@ -37,6 +39,12 @@ __all__ = [
     "demo",
     "delayed_diloco",
     "diloco",
+    "diloco_x",
+    "adapt",
+    "exchange_seconds",
+    "LowRankState",
+    "carry_over",
+    "low_rank",
     "eager_diloco",
     "error_feedback",
     "local_sgd",

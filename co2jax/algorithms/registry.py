@@ -26,6 +26,7 @@ from co2jax.algorithms.data_parallel import data_parallel, no_sync
 from co2jax.algorithms.dct_diloco import dct_diloco
 from co2jax.algorithms.demo import demo
 from co2jax.algorithms.diloco import delayed_diloco, diloco, eager_diloco
+from co2jax.algorithms.diloco_x import diloco_x
 from co2jax.algorithms.error_feedback import error_feedback
 from co2jax.algorithms.guards import skip_nonfinite
 from co2jax.algorithms.local_sgd import local_sgd
@@ -43,6 +44,7 @@ from co2jax.algorithms.sparseloco import sparseloco
 from co2jax.algorithms.streaming_diloco import streaming_diloco
 from co2jax.comm import FORMATS, all_gather_compressed, all_reduce_compressed, make
 from co2jax.comm.dct import all_gather_dct_topk
+from co2jax.comm.lowrank import FACTORS
 from co2jax.comm.reducer import ring_bytes
 from co2jax.comm.sparse_quant import AVERAGES
 from co2jax.fragments import Fragments, make_fragments
@@ -90,6 +92,8 @@ class OuterConfig:
     average: str = "contributors"  # sparseloco production: contributors | replicas (1/R)
     group_size: int = 2  # noloco: replicas per gossip group
     dct_chunk: int = 64  # dct_diloco, demo: DCT chunk side (each axis: its largest divisor <=)
+    rank: int = 32  # diloco_x: rank of each matrix's pseudo-gradient on the wire
+    factors: str = "int4"  # diloco_x: the factors' format: float32 | bf16 | int4
     correction: str = "zeroth"  # cocodc: none | zeroth | first (delay compensation)
     hessian_scale: float = 0.5  # cocodc: lambda of the first-order correction
 
@@ -272,6 +276,14 @@ REGISTRY: dict[str, Entry] = {
         Capabilities(compressible=True, fragments=True, guardable=False, outer_transform=True),
         "Streaming DiLoCo with delay compensation at apply (a reconstruction)",
     ),
+    "diloco_x": Entry(
+        lambda o, c, r: diloco_x(
+            _sgd(o, c), o.rank, o.factors, o.delay, skip_nonfinite=o.skip_nonfinite,
+            implementation=o.implementation,
+        ),
+        Capabilities(delayed=True, guardable=False, outer_transform=True),
+        "one-round-delayed DiLoCo on rank-r int4 pseudo-gradients (a reconstruction)",
+    ),
     "noloco": Entry(
         lambda o, c, r: noloco(o.learning_rate, o.momentum, o.group_size, sync_every=c.sync_every),
         Capabilities(guardable=False, gossip=True),
@@ -322,6 +334,10 @@ def validate(o: OuterConfig, sync_every: int | None = None) -> OuterConfig:
         _fail("quantizer", o.quantizer, f"must be one of {SPARSE_MODES}")
     if o.average not in AVERAGES:
         _fail("average", o.average, f"must be one of {AVERAGES}")
+    if o.rank < 1:
+        _fail("rank", o.rank, "must be >= 1")
+    if o.factors not in FACTORS:
+        _fail("factors", o.factors, f"must be one of {FACTORS}")
     if o.dct_chunk < 1:
         _fail("dct_chunk", o.dct_chunk, "must be >= 1")
     if o.correction not in CORRECTIONS:
@@ -348,7 +364,7 @@ def validate(o: OuterConfig, sync_every: int | None = None) -> OuterConfig:
         _fail("learning_rate", o.learning_rate, "must be > 0")
     if not 0 <= o.momentum < 1:
         _fail("momentum", o.momentum, "must be in [0, 1)")
-    if o.delay < 1 and o.algorithm in ("delayed_diloco", "eager_diloco"):
+    if o.delay < 1 and o.algorithm in ("delayed_diloco", "eager_diloco", "diloco_x"):
         _fail("delay", o.delay, "must be >= 1 for delayed and eager DiLoCo")
     if o.clip_threshold is not None and o.clip_threshold <= 0:
         _fail("clip_threshold", o.clip_threshold, "must be > 0 or None")

@@ -14,6 +14,7 @@ from co2jax.comm.codecs import (
     bf16,
     fp4,
     fp8,
+    int4,
     int8,
     make,
     none,
@@ -30,6 +31,7 @@ from co2jax.comm.dct import (
     dct_topk,
 )
 from co2jax.comm.gossip import gossip_groups, gossip_mean, gossip_payload
+from co2jax.comm.lowrank import FACTORS, all_gather_low_rank, encode_factors, initial_factors
 from co2jax.comm.reducer import (
     EXACT,
     Encoded,
@@ -80,6 +82,11 @@ __all__ = [
     "gossip_mean",
     "gossip_payload",
     "int8",
+    "int4",
+    "FACTORS",
+    "all_gather_low_rank",
+    "encode_factors",
+    "initial_factors",
     "make",
     "none",
     "pmean",

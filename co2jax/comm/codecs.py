@@ -10,6 +10,7 @@ name        on the wire, per block of B elements          decoded value
 ``bf16``    B bfloat16                                    round to nearest bfloat16
 ``fp8``     B float8 e4m3 + 1 float32 scale               ``s * e4m3(x / s)``, ``s = max|x|/448``
 ``int8``    B int8 + 1 float32 scale                      ``s * round(x / s)``, ``s = max|x|/127``
+``int4``    B/2 bytes (codes -7..7) + 1 float32 scale     ``s * round(x / s)``, ``s = max|x|/7``
 ``fp4``     B/2 bytes (E3M0 codes) + 1 float32 scale      ``s * 2**-k`` (k = 0..6) or 0, sign
 ``2bit``    B/4 bytes (ternary codes) + 1 float32 scale   ``s * {-1, 0, 1}``, ``s = max|x|``
 ``topk``    k (index, value) pairs, values by an inner    the k largest-magnitude elements of
@@ -20,7 +21,10 @@ FP4 E3M0 (1 sign bit, 3 exponent bits, no mantissa, as in Streaming DiLoCo): cod
 codes 1..7 are ``s * 2**(code - 7)``; a magnitude rounds to the nearest of those (in the
 linear domain), so the error is at most a third of the value, or half the smallest level.
 The 2-bit format is ternary (one code unused) so that zeros stay exact; its error is at most
-``s / 2``. Zeros are exact in every format; a block of zeros has scale 0 and decodes to zeros.
+``s / 2``. int4 is symmetric: codes -7..7 (the two's-complement -8 unused, so that the
+format is sign-symmetric), two per byte by planes (byte j of a block holds elements j, low
+nibble, and j + B/2, high nibble), rounded half to even; its error is at most ``s / 2``.
+Zeros are exact in every format; a block of zeros has scale 0 and decodes to zeros.
 The int8, FP4 and 2-bit arithmetic is the plain-jnp reference of the Pallas kernels
 (:mod:`co2jax.kernels.quantize`); with ``block=128`` the kernels themselves run where
 ``implementation`` resolves to them.
@@ -43,7 +47,7 @@ from co2jax.kernels import quantize as qk
 from co2jax.kernels.api import check_implementation, resolve
 from co2jax.kernels.spec import LANES
 
-FORMATS = ("none", "bf16", "fp8", "int8", "fp4", "2bit", "topk")
+FORMATS = ("none", "bf16", "fp8", "int8", "int4", "fp4", "2bit", "topk")
 _E4M3_MAX = 448.0
 
 
@@ -168,6 +172,44 @@ def int8(block: int = 128, implementation: str = "auto") -> Codec:
     return Codec("int8", encode, decode, wire, decode_mean if block == LANES else None, block)
 
 
+def int4(block: int = 128) -> Codec:
+    """Symmetric int4 with a float32 scale per ``block`` elements (``max|x|`` maps to 7).
+
+    ``q = round(x / s)`` (half to even) in -7..7, ``s = max|x| / 7``, two codes per byte
+    (two's complement nibbles, by planes: byte j holds elements j and j + block/2). Plain
+    jnp, no kernel. A block whose scale is not finite (a NaN or an Inf in it) decodes to NaN.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> c = int4(block=4)
+      >>> c.roundtrip(jnp.array([7.0, -1.4, 0.5, 2.0]))  # s = 1: 0.5 rounds to even 0
+      Array([ 7., -1.,  0.,  2.], dtype=float32)
+      >>> c.wire_bytes(4)  # 2 bytes of codes + a float32 scale
+      6
+    """
+    block = _check_block(block, 2)
+    half = block // 2
+
+    def encode(x):
+        xb = blocks(x, block)
+        scale = jnp.max(jnp.abs(xb), axis=1) / 7.0
+        safe = jnp.where(scale > 0, scale, 1.0)[:, None]
+        q = jnp.clip(jnp.round(xb / safe), -7.0, 7.0)
+        nibbles = jnp.where(jnp.isfinite(q), q, 0.0).astype(jnp.int32) & 15
+        return (nibbles[:, :half] | (nibbles[:, half:] << 4)).astype(jnp.uint8), scale
+
+    def decode(enc, n):
+        packed, scale = enc
+        p = packed.astype(jnp.int32)
+        codes = jnp.concatenate([p & 15, p >> 4], axis=-1)
+        codes = jnp.where(codes >= 8, codes - 16, codes).astype(jnp.float32)
+        out = jnp.where(jnp.isfinite(scale)[:, None], codes * scale[:, None], jnp.nan)
+        return out.reshape(-1)[:n]
+
+    wire = lambda n: _nblocks(n, block) * (half + 4)
+    return Codec("int4", encode, decode, wire, block=block)
+
+
 def _packed(fmt: str, block: int, implementation: str) -> Codec:
     """FP4 or 2-bit codes with one ``max|x|`` scale per block, packed by planes."""
     check_implementation(implementation)
@@ -259,6 +301,7 @@ def make(name: str, **options) -> Codec:
         "bf16": bf16,
         "fp8": fp8,
         "int8": int8,
+        "int4": int4,
         "fp4": fp4,
         "2bit": two_bit,
         "topk": topk,

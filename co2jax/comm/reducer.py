@@ -61,6 +61,9 @@ class Reducer(NamedTuple):
       codec: the compression format (:class:`co2jax.comm.Codec`), ``None`` when exact.
       gathered: ``reduce`` returns :class:`co2jax.kernels.Gathered`.
       exact: the element-wise mean itself: a driver may swap it for another exact mean.
+      chunkable: its payload can be cut into chunks reduced one by one (a spread schedule);
+        False for encodings that stand only whole (low-rank factors, a per-tensor quantizer):
+        a driver then sends the transfer whole unless asked to spread, and refuses if asked.
     """
 
     name: str
@@ -70,6 +73,7 @@ class Reducer(NamedTuple):
     codec: Any = None
     gathered: bool = False
     exact: bool = False
+    chunkable: bool = True
 
     def __call__(self, payload: Payload) -> Any:
         return self.reduce(payload)

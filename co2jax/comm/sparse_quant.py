@@ -412,4 +412,6 @@ def all_gather_topk_quantized(
         lambda n: leaf_tiling((n,)).nbytes,
     )
     name = f"all_gather_topk_quantized({codec.name}, {average})"
-    return Reducer(name, gather_reduce(encode, axis_name), wire, encode, codec=codec)
+    return Reducer(
+        name, gather_reduce(encode, axis_name), wire, encode, codec=codec, chunkable=False
+    )

@@ -78,7 +78,8 @@ def local_updates(
       outer: an :class:`~co2jax.OuterOptimizer`.
       sync_every: H, inner steps per round (>= 1).
       spread: cut every transfer sent before its apply step into a chunk per step (the
-        default). ``True`` needs such a transfer.
+        default, ``None``, where the reducer is ``chunkable``). ``True`` needs such a
+        transfer and a chunkable reducer.
       reduce: the reduction to use (default: ``outer.reducer``).
 
     Returns:
@@ -114,7 +115,13 @@ def local_updates(
     def payloads(params, outer_state) -> list:
         return [payload_shapes(outer, params, outer_state, i) for i in range(len(planned))]
 
-    run = planned if spread is False else spread_schedule(planned)  # the schedule as run
+    if spread and not reducer.chunkable:
+        raise ValueError(
+            f"spread={spread!r}: the reducer {reducer.name!r} sends its payload only whole "
+            "(it cannot be cut into chunks); use spread=None or False"
+        )
+    whole = spread is False or not reducer.chunkable
+    run = planned if whole else spread_schedule(planned)  # the schedule as run
 
     def init(params: optax.Params) -> LocalUpdatesState:
         outer_state = outer.init(params)

@@ -271,8 +271,13 @@ class RoundTrainer:
     def _spread(self, payload_shapes: list) -> tuple:
         """The transfers as this program runs them: overlapped ones in chunks where spread."""
         spread = self.spread
+        if spread is not None and spread is not False and not self.outer.reducer.chunkable:
+            raise ValueError(
+                f"spread={spread!r}: the reducer {self.outer.reducer.name!r} sends its payload "
+                "only whole (it cannot be cut into chunks); use spread=None or False"
+            )
         if spread is None:
-            spread = policy.spreads(self.platform)
+            spread = policy.spreads(self.platform) and self.outer.reducer.chunkable
         if spread is False:
             return self.transfers
         if spread is True:
