@@ -92,7 +92,15 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
+# the default suite keeps a tiled matrix, a tiling with ragged tiles and a chunked vector; the
+# rest run with -m slow (the suite's 15-minute budget)
+_QUICK = ("ragged_vector", "tiled", "not_multiple")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n if n in _QUICK else pytest.param(n, marks=pytest.mark.slow) for n in SHAPES],
+)
 def test_codec_roundtrip_matches_textbook(name):
     shape = SHAPES[name]
     x = np.random.default_rng(1).normal(size=shape).astype(np.float32)
