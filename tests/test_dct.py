@@ -39,7 +39,11 @@ def _matrix_flatten(params):
     return jnp.concatenate([params["b"], w.reshape(*w.shape[:-2], 96)], axis=-1)
 
 
-@pytest.fixture(params=list(CASES))
+# the flat case is the registry matrix's setting (tests/test_matrix.py runs it in every
+# driver): here it runs with -m slow (the suite's 15-minute budget); the matrix case is new
+@pytest.fixture(
+    params=[pytest.param("flat", marks=pytest.mark.slow), "matrix"], ids=["flat", "matrix"]
+)
 def case(request, monkeypatch):
     """(name, settings, problem); the matrix case swaps harness' parameter layout."""
     s = CASES[request.param]

@@ -176,7 +176,9 @@ def test_the_setting_is_not_degenerate(problem):
 
 
 @pytest.mark.parametrize("average", ["contributors", "replicas"])
-@pytest.mark.parametrize("runner", ["vmap", "shard_map"])
+# shard_map: the registry matrix runs sparseloco[production] there too (tests/test_matrix.py);
+# here with -m slow (the suite's 15-minute budget)
+@pytest.mark.parametrize("runner", ["vmap", pytest.param("shard_map", marks=pytest.mark.slow)])
 def test_loop_matches_textbook(runner, average, problem):
     outer = _outer(average=average)
     if runner == "vmap":
