@@ -62,8 +62,15 @@ import jax.numpy as jnp
 from co2jax._checks import check_axis_name, check_choice, check_int
 from co2jax.axes import REPLICA
 from co2jax.comm.codecs import int4
-from co2jax.comm.reducer import Encoded, Grouped, Payload, Reducer, gather_bytes, gather_reduce
-from co2jax.tree import varying_axes
+from co2jax.comm.reducer import (
+    Encoded,
+    Grouped,
+    Payload,
+    Reducer,
+    check_whole_leaves,
+    gather_bytes,
+    gather_reduce,
+)
 
 FACTORS = ("float32", "bf16", "int4")
 _HIGHEST = jax.lax.Precision.HIGHEST  # float32 factors: no bf16 passes on TPU
@@ -232,14 +239,7 @@ def encode_factors(
     """
     rank, block = _check(rank, factors, block, axis_name)
     form, groups = Grouped.of(payload)
-    for leaves in groups:
-        axes = varying_axes(leaves[0])
-        if axes is not None and axes - {axis_name}:
-            raise ValueError(
-                f"low-rank factors of a payload leaf that varies over mesh axes {sorted(axes)}: "
-                f"a data shard's factors are another algorithm; send whole leaves, varying "
-                f"over {axis_name!r} only (no shard_outer_state / fsdp)"
-            )
+    check_whole_leaves(groups, axis_name, "low-rank factors")
     ranks = tuple(rank if factored(s, rank) else 0 for s in form.shapes)
     if len(qs) != sum(1 for r in ranks if r):
         raise ValueError(f"qs must hold one Q per factored leaf ({ranks}), got {len(qs)}")

@@ -37,7 +37,14 @@ from co2jax.kernels import quantize as qk
 from co2jax.kernels.api import gather_layout
 from co2jax.kernels.layout import Gathered, Part
 from co2jax.kernels.spec import LANES
-from co2jax.tree import common_dtype, flatten, tree_bytes, tree_size, varying_groups
+from co2jax.tree import (
+    common_dtype,
+    flatten,
+    tree_bytes,
+    tree_size,
+    varying_axes,
+    varying_groups,
+)
 
 Payload = Any
 EXACT = ("pmean", "all_gather", "ring")
@@ -176,6 +183,21 @@ class _Flat(Grouped):
     def mean(self, data, sizes):
         means = [jnp.mean(v.astype(jnp.float32), axis=0) for v in data]
         return [m[:n] if m.ndim == 1 else m for m, n in zip(means, sizes, strict=True)]
+
+
+def check_whole_leaves(groups: list[list[jax.Array]], axis_name: str, what: str) -> None:
+    """Raises ``ValueError`` when a payload leaf varies over a mesh axis besides
+    ``axis_name`` (inside ``shard_map``: a data shard), for an encoding computed per whole
+    tensor (``what`` says which: its factors, its top-k and norm are another algorithm's on a
+    shard)."""
+    for leaves in groups:
+        axes = varying_axes(leaves[0])
+        if axes is not None and axes - {axis_name}:
+            raise ValueError(
+                f"{what}: a payload leaf varies over mesh axes {sorted(axes)}, and a data "
+                f"shard's encoding is another algorithm's; send whole leaves, varying over "
+                f"{axis_name!r} only (no shard_outer_state / fsdp)"
+            )
 
 
 def _flat_encode(payload: Payload) -> Encoded:

@@ -62,8 +62,15 @@ import jax.numpy as jnp
 from co2jax._checks import check_axis_name, check_choice, check_int, check_positive
 from co2jax.axes import REPLICA
 from co2jax.comm.codecs import Codec
-from co2jax.comm.reducer import Encoded, Grouped, Payload, Reducer, gather_bytes, gather_reduce
-from co2jax.tree import varying_axes
+from co2jax.comm.reducer import (
+    Encoded,
+    Grouped,
+    Payload,
+    Reducer,
+    check_whole_leaves,
+    gather_bytes,
+    gather_reduce,
+)
 
 BINS = (2, 4, 16, 256)
 """Bin counts whose codes pack whole into bytes (1, 2, 4 or 8 bits)."""
@@ -384,14 +391,7 @@ def all_gather_topk_quantized(
 
     def encode(payload: Payload) -> Encoded:
         form, groups = Grouped.of(payload)
-        for leaves in groups:
-            axes = varying_axes(leaves[0])
-            if axes is not None and axes - {axis_name}:
-                raise ValueError(
-                    f"{name}: a payload leaf varies over mesh axes {sorted(axes)}: a data "
-                    "shard of a tensor has its own top-k and norm, another algorithm; "
-                    f"send whole tensors, varying over {axis_name!r} only"
-                )
+        check_whole_leaves(groups, axis_name, f"{name} (per-tensor top-k and norm)")
         tilings = tuple(leaf_tiling(s) for s in form.shapes)
         data = tuple(
             jnp.concatenate(
