@@ -64,6 +64,7 @@ from co2jax.algorithms import (
 from co2jax.axes import DATA, MODEL, REPLICA
 from co2jax.comm import Reducer
 from co2jax.engines import (
+    DriftError,
     JobMetrics,
     JobState,
     JobTrainer,
@@ -73,15 +74,21 @@ from co2jax.engines import (
     RoundMetrics,
     RoundTrainer,
     TrainState,
+    check_drift,
     local_updates,
+    replica_fingerprints,
 )
 from co2jax.mesh import make_mesh
 from co2jax.protocol import OuterOptimizer, Transfer
-from co2jax.tree import consensus_distance
+from co2jax.tree import consensus_distance, fingerprint
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DriftError",
+    "check_drift",
+    "fingerprint",
+    "replica_fingerprints",
     "DATA",
     "MODEL",
     "REPLICA",

@@ -103,3 +103,54 @@ def consensus_distance(stacked: Any) -> jax.Array:
     spread = sum(jnp.sum(jnp.mean((x - x.mean(0)) ** 2, axis=0)) for x in leaves)
     size = sum(jnp.sum(x.mean(0) ** 2) for x in leaves)
     return jnp.sqrt(spread) / jnp.maximum(jnp.sqrt(size), jnp.finfo(jnp.float32).tiny)
+
+
+_GOLDEN = 0x9E3779B1  # spreads consecutive positions over uint32
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """A leaf's elements as uint32 bit patterns (floats bit for bit, bools and ints as
+    values; 64-bit leaves split into two words)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32).reshape(-1)
+    size = jnp.dtype(x.dtype).itemsize
+    if size == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).reshape(-1)
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """A bijection of uint32 (a 32-bit avalanche finalizer): every input bit moves about
+    half of the output bits."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def fingerprint(tree: Any) -> jax.Array:
+    """A uint32 digest of every bit of ``tree``'s leaves, in leaf order: equal trees give
+    equal digests, and a change of any one element (one bit) always changes it.
+
+    ``sum_i mix(b_i ^ s_i) mod 2^32`` over the leaves' bit patterns ``b_i``, with a salt
+    ``s_i`` per position and leaf and ``mix`` a bijection of uint32: a change of one element
+    changes its term and nothing else, so the sum moves. Folded with each leaf's size. Not a
+    cryptographic hash: it detects drift, not tampering.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> a = {"w": jnp.ones(3)}
+      >>> bool(fingerprint(a) == fingerprint({"w": jnp.ones(3)}))
+      True
+      >>> bool(fingerprint(a) == fingerprint({"w": jnp.ones(3).at[1].set(1 + 2**-23)}))
+      False
+    """
+    total = jnp.uint32(0)
+    for j, leaf in enumerate(jax.tree.leaves(tree)):
+        bits = _bits(leaf)
+        salt = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(_GOLDEN) + jnp.uint32(j)
+        total = _mix(total ^ jnp.uint32(bits.size)) + jnp.sum(_mix(bits ^ salt), dtype=jnp.uint32)
+    return total

@@ -32,6 +32,7 @@ from co2jax.comm.dct import (
 )
 from co2jax.comm.gossip import gossip_groups, gossip_mean, gossip_payload
 from co2jax.comm.lowrank import FACTORS, all_gather_low_rank, encode_factors, initial_factors
+from co2jax.comm.participation import check_weights, token_weights, weighted
 from co2jax.comm.reducer import (
     EXACT,
     Encoded,
@@ -53,6 +54,9 @@ from co2jax.comm.sparse_quant import (
 )
 
 __all__ = [
+    "check_weights",
+    "token_weights",
+    "weighted",
     "EXACT",
     "FORMATS",
     "Codec",

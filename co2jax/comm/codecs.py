@@ -77,15 +77,17 @@ class Codec(NamedTuple):
         """``decode(encode(x))`` for a vector."""
         return self.decode(self.encode(x), x.shape[0])
 
-    def mean_of(self, gathered: Any, n: int) -> jax.Array:
-        """The float32 mean of the R encoded payloads stacked in ``gathered``."""
-        if self.decode_mean is not None:
+    def mean_of(self, gathered: Any, n: int, weights: jax.Array | None = None) -> jax.Array:
+        """The float32 mean of the R encoded payloads stacked in ``gathered`` (with
+        ``weights``, [R]: the weighted mean, decoded one by one)."""
+        if self.decode_mean is not None and weights is None:
             return self.decode_mean(gathered, n)
         replicas = jax.tree.leaves(gathered)[0].shape[0]
         total = jnp.zeros((n,), jnp.float32)
         for i in range(replicas):
-            total = total + self.decode(jax.tree.map(lambda e, i=i: e[i], gathered), n)
-        return total / replicas
+            w = 1.0 if weights is None else weights[i].astype(jnp.float32)
+            total = total + w * self.decode(jax.tree.map(lambda e, i=i: e[i], gathered), n)
+        return total / (replicas if weights is None else jnp.sum(weights).astype(jnp.float32))
 
 
 def blocks(x: jax.Array, block: int) -> jax.Array:

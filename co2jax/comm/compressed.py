@@ -28,6 +28,7 @@ from co2jax.comm.reducer import (
     Reducer,
     gather_bytes,
     gather_reduce,
+    per_contributor,
 )
 from co2jax.tree import flatten, tree_size
 
@@ -42,8 +43,8 @@ class _Coded(Grouped):
     def per_unit(self) -> int:
         return self.codec.block or 1
 
-    def mean(self, data, sizes):
-        return [self.codec.mean_of(enc, n) for enc, n in zip(data, sizes, strict=True)]
+    def mean(self, data, sizes, weights=None):
+        return [self.codec.mean_of(enc, n, weights) for enc, n in zip(data, sizes, strict=True)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,16 +53,17 @@ class _Sparse(_Coded):
 
     chunk: int = 1
 
-    def mean(self, data, sizes):
+    def mean(self, data, sizes, weights=None):
         vectors = []
         for enc, n in zip(data, sizes, strict=True):
             total = jnp.zeros((n,), jnp.float32)
             count = jnp.zeros((n,), jnp.float32)
             for r in range(jax.tree.leaves(enc)[0].shape[0]):
                 one = jax.tree.map(lambda e, r=r: e[r], enc)
-                total = total + self.codec.decode(one, n)
-                count = count + support(one, self.chunk, n)
-            vectors.append(total / jnp.maximum(count, 1.0))
+                w = 1.0 if weights is None else weights[r].astype(jnp.float32)
+                total = total + w * self.codec.decode(one, n)
+                count = count + w * support(one, self.chunk, n)
+            vectors.append(per_contributor(total, count))
         return vectors
 
 

@@ -35,7 +35,15 @@ import numpy as np
 
 from co2jax._checks import check_axis_name, check_int
 from co2jax.axes import REPLICA
-from co2jax.comm.reducer import Encoded, Grouped, Payload, Reducer, gather_bytes, gather_reduce
+from co2jax.comm.reducer import (
+    Encoded,
+    Grouped,
+    Payload,
+    Reducer,
+    gather_bytes,
+    gather_reduce,
+    per_contributor,
+)
 from co2jax.tree import tree_bytes
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -174,9 +182,10 @@ class _DCTForm(Grouped):
     chunk: int = 64
     k: int = 32
 
-    def combine(self, data):
+    def combine(self, data, weights=None):
         leaves: list = [None] * len(self.shapes)
         for group, (idx, vals) in zip(self.groups, data, strict=True):
+            w = jnp.ones((idx.shape[0],), jnp.float32) if weights is None else weights
             replicas, offset = idx.shape[0], 0
             for i in group:
                 chunks, per = _layout(self.shapes[i], self.chunk)
@@ -187,9 +196,10 @@ class _DCTForm(Grouped):
                 offset += n
                 rows = jnp.arange(chunks)[None, :, None]
                 zeros = jnp.zeros((chunks, per), jnp.float32)
-                total = zeros.at[rows, li].add(lv.astype(jnp.float32))
-                count = zeros.at[rows, li].add(1.0)
-                mean = total / jnp.maximum(count, 1.0)
+                wr = jnp.broadcast_to(w.astype(jnp.float32)[:, None, None], lv.shape)
+                total = zeros.at[rows, li].add(lv.astype(jnp.float32) * wr)
+                count = zeros.at[rows, li].add(wr)
+                mean = per_contributor(total, count)
                 leaf = chunked_idct(mean, self.shapes[i], self.chunk)
                 leaves[i] = leaf.astype(self.dtypes[i])
         return jax.tree.unflatten(self.treedef, leaves)

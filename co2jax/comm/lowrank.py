@@ -70,6 +70,7 @@ from co2jax.comm.reducer import (
     check_whole_leaves,
     gather_bytes,
     gather_reduce,
+    weighted_mean,
 )
 
 FACTORS = ("float32", "bf16", "int4")
@@ -181,8 +182,9 @@ class LowRankForm(Grouped):
     def nbytes(self, group: tuple[int, ...]) -> int:
         return sum(_nbytes(self.factors, k, self.block) for k in self.counts(group))
 
-    def combine(self, data) -> Any:
+    def combine(self, data, weights=None) -> Any:
         leaves: list[Any] = [None] * len(self.shapes)
+        w = None if weights is None else weights.astype(jnp.float32)
         for group, buf in zip(self.groups, data, strict=True):
             replicas, offset, parts = buf.shape[0], 0, []
             for k in self.counts(group):
@@ -199,15 +201,17 @@ class LowRankForm(Grouped):
                     p_RxKxM = p_all[:, at[0] : at[0] + r * m].reshape(replicas, r, m)
                     q_RxKxN = q_all[:, at[1] : at[1] + r * n].reshape(replicas, r, n)
                     at[0], at[1] = at[0] + r * m, at[1] + r * n
+                    if w is not None:  # the weighted sum: P_r scaled by w_r
+                        p_RxKxM = p_RxKxM * w[:, None, None]
                     # sum over replicas and rank at once: [m, R k] x [R k, n]
                     total = jnp.einsum("akm,akn->mn", p_RxKxM, q_RxKxN, precision=_HIGHEST)
-                    value = total / replicas
+                    value = total / (replicas if w is None else jnp.sum(w))
                 else:
                     size = math.prod(shape)
                     if not size:  # an empty leaf has no bytes on the wire
                         value = jnp.zeros(shape, jnp.float32)
                     else:
-                        value = jnp.mean(dense[:, at[2] : at[2] + size], axis=0)
+                        value = weighted_mean(dense[:, at[2] : at[2] + size], w)
                     at[2] += size
                 leaves[i] = value.reshape(shape).astype(self.dtypes[i])
         return jax.tree.unflatten(self.treedef, leaves)

@@ -101,8 +101,12 @@ class Encoded:
     def tree_unflatten(cls, form, children):
         return cls(children[0], form)
 
-    def combine(self) -> Any:
-        return self.form.combine(self.data)
+    def combine(self, weights: jax.Array | None = None) -> Any:
+        """The reduced value; with ``weights`` ([R], >= 0, not all 0) the replicas' weighted
+        combination (:mod:`co2jax.comm.participation`: a weight of 0 leaves a replica out)."""
+        if weights is None:
+            return self.form.combine(self.data)
+        return self.form.combine(self.data, weights)
 
     def decode(self) -> Any:
         """This one payload's decoded values, as a pytree shaped like the payload."""
@@ -150,13 +154,14 @@ class Grouped:
     per_unit = 1
     """Elements per leading-axis unit of a group's wire arrays (a codec's block)."""
 
-    def mean(self, data, sizes: list[int]) -> list[jax.Array]:
+    def mean(self, data, sizes: list[int], weights=None) -> list[jax.Array]:
         """Per group, the float32 mean of R wire forms stacked on a leading axis, as a vector
-        of ``sizes[g]`` elements (a group's whole, or the units of one chunk of it)."""
+        of ``sizes[g]`` elements (a group's whole, or the units of one chunk of it); with
+        ``weights`` ([R]) the weighted mean."""
         raise NotImplementedError(f"{type(self).__name__} has no per-group mean")
 
-    def combine(self, data) -> Any:
-        return self.assemble(self.mean(data, self.sizes()))
+    def combine(self, data, weights=None) -> Any:
+        return self.assemble(self.mean(data, self.sizes(), weights))
 
     def assemble(self, vectors: list[jax.Array]) -> Any:
         """The tree from one float32 vector per group (cast to the leaves' dtypes)."""
@@ -180,9 +185,25 @@ class Grouped:
 class _Flat(Grouped):
     """Each group as one vector of its leaves' common dtype; combined by a float32 mean."""
 
-    def mean(self, data, sizes):
-        means = [jnp.mean(v.astype(jnp.float32), axis=0) for v in data]
+    def mean(self, data, sizes, weights=None):
+        means = [weighted_mean(v.astype(jnp.float32), weights) for v in data]
         return [m[:n] if m.ndim == 1 else m for m, n in zip(means, sizes, strict=True)]
+
+
+def weighted_mean(stacked: jax.Array, weights: jax.Array | None) -> jax.Array:
+    """The mean over the leading (replica) axis; with ``weights`` ([R]) the weighted mean
+    ``sum_r w_r x_r / sum_r w_r``."""
+    if weights is None:
+        return jnp.mean(stacked, axis=0)
+    w = weights.astype(stacked.dtype).reshape((-1,) + (1,) * (stacked.ndim - 1))
+    return jnp.sum(w * stacked, axis=0) / jnp.sum(weights).astype(stacked.dtype)
+
+
+def per_contributor(total: jax.Array, count: jax.Array) -> jax.Array:
+    """``total / count`` where some replica contributed (``count > 0``, a weighted count may
+    be below 1), 0 elsewhere: the per-index mean over the replicas that sent the index."""
+    some = count > 0
+    return jnp.where(some, total / jnp.where(some, count, 1.0), 0.0)
 
 
 def check_whole_leaves(groups: list[list[jax.Array]], axis_name: str, what: str) -> None:
@@ -328,7 +349,16 @@ class _Stacked(Grouped):
     layouts: tuple = ()
     quantized: bool = False
 
-    def combine(self, data):
+    def combine(self, data, weights=None):
+        if weights is not None:  # each replica's values, weighted: no fused average
+            one = lambda r: self.combine(jax.tree.map(lambda x: x[r : r + 1], data)).mean()
+            stacked = [one(r) for r in range(weights.shape[0])]
+            return jax.tree.map(
+                lambda *xs: weighted_mean(jnp.stack(xs).astype(jnp.float32), weights).astype(
+                    xs[0].dtype
+                ),
+                *stacked,
+            )
         parts = []
         for group, layout, arrays in zip(self.groups, self.layouts, data, strict=True):
             buffer, scales = arrays if self.quantized else (arrays, None)

@@ -70,6 +70,7 @@ from co2jax.comm.reducer import (
     check_whole_leaves,
     gather_bytes,
     gather_reduce,
+    per_contributor,
 )
 
 BINS = (2, 4, 16, 256)
@@ -269,23 +270,31 @@ def _decode_leaf(wire: jax.Array, t: Tiling) -> tuple[jax.Array, jax.Array]:
     return idx.reshape(shape), vals.reshape(shape)
 
 
-def _reduce_leaf(wire: jax.Array, t: Tiling, average: str, clip: bool) -> jax.Array:
-    """The float32 aggregate of R encodings of one leaf (step 4 of the module docstring)."""
+def _reduce_leaf(wire: jax.Array, t: Tiling, average: str, clip: bool, weights=None) -> jax.Array:
+    """The float32 aggregate of R encodings of one leaf (step 4 of the module docstring).
+    With ``weights`` ([R]): the median over the replicas of weight > 0, the weighted mean."""
     r = wire.shape[0]
     if not t.values:
         return jnp.zeros(t.shape, jnp.float32)
     idx, vals = _decode_leaf(wire, t)
     if clip and r > 1:
         norms = jnp.sqrt(jnp.sum(jnp.square(vals), axis=(1, 2)))
-        median = jnp.sort(norms)[(r - 1) // 2]
+        if weights is None:
+            median = jnp.sort(norms)[(r - 1) // 2]
+        else:  # the lower median of the participants' norms
+            present = weights > 0
+            ranked = jnp.sort(jnp.where(present, norms, jnp.inf))
+            median = ranked[(jnp.sum(present) - 1) // 2]
         vals = vals * jnp.minimum(median / (norms + CLIP_EPS), 1.0)[:, None, None]
+    w = jnp.ones((r,), jnp.float32) if weights is None else weights.astype(jnp.float32)
     rows = jnp.broadcast_to(jnp.arange(t.chunks)[None, :, None], idx.shape)
-    total = jnp.zeros((t.chunks, t.chunk), jnp.float32).at[rows, idx].add(vals)
+    total = jnp.zeros((t.chunks, t.chunk), jnp.float32).at[rows, idx].add(vals * w[:, None, None])
     if average == "contributors":
-        count = jnp.zeros((t.chunks, t.chunk), jnp.float32).at[rows, idx].add(1.0)
-        total = total / jnp.maximum(count, 1.0)
+        ones = jnp.broadcast_to(w[:, None, None], idx.shape)
+        count = jnp.zeros((t.chunks, t.chunk), jnp.float32).at[rows, idx].add(ones)
+        total = per_contributor(total, count)
     else:
-        total = total / r
+        total = total / (r if weights is None else jnp.sum(w))
     return t.join(total)
 
 
@@ -305,14 +314,14 @@ class _Quantized(Grouped):
             "into chunks spread over the inner steps (send the transfer whole)"
         )
 
-    def combine(self, data) -> Any:
+    def combine(self, data, weights=None) -> Any:
         leaves: list[Any] = [None] * len(self.shapes)
         for group, wire in zip(self.groups, data, strict=True):
             offset = 0
             for i in group:
                 t = self.tilings[i]
                 piece = wire[:, offset : offset + t.nbytes]
-                reduced = _reduce_leaf(piece, t, self.average, self.clip)
+                reduced = _reduce_leaf(piece, t, self.average, self.clip, weights)
                 leaves[i] = reduced.astype(self.dtypes[i])
                 offset += t.nbytes
         return jax.tree.unflatten(self.treedef, leaves)

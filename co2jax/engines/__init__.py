@@ -3,11 +3,15 @@ round on a mesh), the per-step adapter (any optax loop) and the multi-job traine
 as separate jobs)."""
 
 from co2jax.engines.adapter import LocalUpdatesState, local_updates
+from co2jax.engines.drift import DriftError, check_drift, replica_fingerprints
 from co2jax.engines.exchange import Exchange, PeerError, Peers
 from co2jax.engines.multijob import JobMetrics, JobState, JobTrainer
 from co2jax.engines.round import RoundMetrics, RoundTrainer, TrainState
 
 __all__ = [
+    "DriftError",
+    "check_drift",
+    "replica_fingerprints",
     "Exchange",
     "JobMetrics",
     "JobState",

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from co2jax._checks import check_transform
 from co2jax.axes import DATA, REPLICA
 from co2jax.comm import chunks, policy
+from co2jax.comm.participation import check_participation, weighted
 from co2jax.comm.reducer import values
 from co2jax.engines.execute import Carry, RoundSchedule, _like
 from co2jax.engines.sharding import Layout
@@ -118,6 +119,12 @@ class RoundTrainer:
       check_vma: ``shard_map``'s varying-axis type check. Leave it on, except for an outer
         optimizer built with ``implementation="interpret"``: Pallas' interpreter is not typed
         for it (compiled kernels are).
+      exclude_nonfinite: leave a replica whose payload has a NaN or an Inf out of that
+        reduction (its weight 0, :mod:`co2jax.comm.participation`) instead of averaging it.
+
+    Participation (:meth:`round`'s ``weights``, ``steps``): each reduction is weighted
+    (:func:`co2jax.comm.weighted`); every replica applies the same reduced payload, so a
+    left-out replica continues from the new anchor like the others.
     """
 
     def __init__(
@@ -134,6 +141,7 @@ class RoundTrainer:
         fsdp: bool = False,
         donate: bool = True,
         check_vma: bool = True,
+        exclude_nonfinite: bool = False,
     ):
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got loss_fn={loss_fn!r}")
@@ -166,6 +174,7 @@ class RoundTrainer:
         self.reducer_kind: str | None = None if reducer == "auto" else reducer
         self._donate = donate
         self._check_vma = bool(check_vma)
+        self.exclude_nonfinite = bool(exclude_nonfinite)
         self._compiled: dict = {}
 
     # ------------------------------------------------------------------------------------
@@ -304,9 +313,15 @@ class RoundTrainer:
     # ------------------------------------------------------------------------------------
     # the round
 
-    def _body(self, payload_shapes, param_shapes, reducers, params, inner, outer, rnd, batch):
+    def _body(self, payload_shapes, param_shapes, reducers, params, inner, outer, rnd, batch, part):
         squeeze = lambda t: jax.tree.map(lambda x: x[0], t)
-        params, inner, outer, rnd, batch = map(squeeze, (params, inner, outer, rnd, batch))
+        params, inner, outer, rnd, batch, part = map(
+            squeeze, (params, inner, outer, rnd, batch, part)
+        )
+        weight, taken = part
+        if weight is not None or self.exclude_nonfinite:
+            w = jnp.float32(1) if weight is None else weight
+            reducers = tuple(weighted(r, w, REPLICA, self.exclude_nonfinite) for r in reducers)
         layout = self.layout
         schedule = RoundSchedule(
             self.outer,
@@ -330,6 +345,8 @@ class RoundTrainer:
             grads = layout.reduce_grads(grads, param_shapes, c.params)
             updates, inner_state = self.inner.update(grads, c.inner_state, c.params)
             p = optax.apply_updates(c.params, updates)
+            if taken is not None:  # a replica with fewer steps this round holds after them
+                p, inner_state = tree_select(k < taken, (p, inner_state), (c.params, c.inner_state))
             c = c._replace(params=p, inner_state=inner_state)
             return c, jax.lax.pmean(loss, DATA)
 
@@ -364,8 +381,9 @@ class RoundTrainer:
         fresh = _like(self.inner.init(c.params), c.inner_state)
         return tree_select(ok, c.inner_state, fresh)
 
-    def round_fn(self, state: TrainState):
-        """The jitted, shard_map'd round for states shaped like ``state``."""
+    def round_fn(self, state: TrainState, weights: bool = False, steps: bool = False):
+        """The jitted, shard_map'd round for states shaped like ``state`` (taking per-replica
+        ``weights`` and ``steps`` when those are set)."""
         specs = self.state_specs(state)
         one = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), t)
         param_shapes, outer_shapes = one(state.params), one(state.outer_state)
@@ -379,30 +397,46 @@ class RoundTrainer:
         reducers = self._choose(payload_shapes)
         self.reducers = reducers
         metric_spec = RoundMetrics(P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA))
+        part = (P(REPLICA) if weights else None, P(REPLICA) if steps else None)
         fn = jax.shard_map(
-            lambda p, i, o, r, b: self._body(payload_shapes, param_shapes, reducers, p, i, o, r, b),
+            lambda p, i, o, r, b, w: self._body(
+                payload_shapes, param_shapes, reducers, p, i, o, r, b, w
+            ),
             mesh=self.mesh,
-            in_specs=(*specs, P(REPLICA, None, DATA)),
+            in_specs=(*specs, P(REPLICA, None, DATA), part),
             out_specs=(*specs, metric_spec),
             check_vma=self._check_vma,
         )
         return jax.jit(
-            lambda s, b: (lambda *o: (TrainState(*o[:4]), o[4]))(*fn(*s, b)),
+            lambda s, b, w=(None, None): (lambda *o: (TrainState(*o[:4]), o[4]))(*fn(*s, b, w)),
             donate_argnums=(0,) if self._donate else (),
         )
 
-    def _get(self, state):
-        key = jax.tree.structure(state), tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
+    def _get(self, state, part=(None, None)):
+        flags = tuple(x is not None for x in part)
+        shapes = tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
+        key = jax.tree.structure(state), shapes, flags
         if key not in self._compiled:
-            self._compiled[key] = self.round_fn(state)
+            self._compiled[key] = self.round_fn(state, *flags)
         return self._compiled[key]
 
-    def round(self, state: TrainState, batch: Any) -> tuple[TrainState, RoundMetrics]:
+    def participation(self, weights=None, steps=None) -> tuple:
+        """``(weights, steps)`` checked (:func:`co2jax.comm.participation.check_participation`)
+        and placed over ``replica`` (``None`` stays ``None``)."""
+        w, n = check_participation(self.outer, self.replicas, self.sync_every, weights, steps)
+        where = NamedSharding(self.mesh, P(REPLICA))
+        return tuple(x if x is None else jax.device_put(x, where) for x in (w, n))
+
+    def round(
+        self, state: TrainState, batch: Any, weights=None, steps=None
+    ) -> tuple[TrainState, RoundMetrics]:
         """One round: H inner steps per replica on ``batch`` ([R, H, B, ...]) and the
-        schedule's transfers."""
+        schedule's transfers; ``weights`` and ``steps`` ([R]) as
+        :func:`co2jax.comm.participation.check_participation` says."""
         self.check_batch(state, batch)
+        part = self.participation(weights, steps)
         with target_backend(self.platform):  # fused updates are traced for the mesh's platform
-            return self._get(state)(state, self.place_batch(batch))
+            return self._get(state, part)(state, self.place_batch(batch), part)
 
     def place_batch(self, batch: Any) -> Any:
         """Puts ``batch`` ([R, H, B, ...] leaves) on the mesh: replica and data sharded."""

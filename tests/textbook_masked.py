@@ -1,0 +1,76 @@
+"""Numpy textbook loops with per-round participation: weights w[t][r] >= 0 (0 leaves replica
+r out of round t's reduction) and per-replica inner step counts n[t][r]. Every replica
+continues from the anchor the participants produce. Nothing here imports co2jax."""
+
+from __future__ import annotations
+
+import numpy as np
+from textbook import _topk_ternary, inner_sgd
+
+
+def _weighted(xs, w):
+    w = np.asarray(w, np.float64)
+    return sum(wr * x for wr, x in zip(w, xs, strict=True)) / w.sum()
+
+
+def diloco(problem, lr, H, rounds, eta, mu, weights, steps=None, delay=0):
+    """DiLoCo (Nesterov outer step) whose round-t reduction is the w[t]-weighted mean of the
+    payloads sent in it: this round's pseudo-gradients, or (``delay``) those of round
+    t - delay. Replica r takes n[t][r] inner steps (default H)."""
+    R = problem.replicas
+    anchor, b, own, out = problem.theta0.copy(), 0.0, [], []
+    for t in range(rounds):
+        n = steps[t] if steps is not None else [H] * R
+        own.append([anchor - inner_sgd(problem, r, anchor, lr, n[r]) for r in range(R)])
+        if t >= delay:
+            g = _weighted(own[t - delay], weights[t])
+            b = mu * b + g
+            anchor = anchor - eta * (g + mu * b)
+        out.append(np.stack([anchor] * R))
+    return np.array(out)
+
+
+def streaming(problem, lr, H, rounds, fragments, tau, alpha, eta, mu, weights):
+    """Streaming DiLoCo (``textbook.streaming_nesterov``) with every fragment of round t
+    reduced with weights w[t]."""
+    R, P = problem.replicas, len(fragments)
+    local = [problem.theta0.copy() for _ in range(R)]
+    glob = problem.theta0.copy()
+    b = [np.zeros(len(idx)) for idx in fragments]
+    apply_at = [(p + 1) * H // P for p in range(P)]
+    send_at = [a - tau for a in apply_at]
+    sent, out = {}, []
+    for t in range(rounds):
+        for k in range(H + 1):
+            for p, idx in enumerate(fragments):
+                if send_at[p] == k:
+                    sent[p] = _weighted([glob[idx] - local[r][idx] for r in range(R)], weights[t])
+                if apply_at[p] == k:
+                    g = sent.pop(p)
+                    b[p] = mu * b[p] + g
+                    glob[idx] = glob[idx] - eta * (g + mu * b[p])
+                    for r in range(R):
+                        local[r][idx] = alpha * local[r][idx] + (1 - alpha) * glob[idx]
+            if k < H:
+                local = [x - lr * problem.grad(r, x) for r, x in enumerate(local)]
+        out.append(np.stack(local))
+    return np.array(out)
+
+
+def sparseloco(problem, lr, H, rounds, alpha, beta, k, chunk, weights):
+    """SparseLoCo (``textbook.sparseloco``) whose contributor mean at round t is weighted:
+    per index, sum_r w_r sent_r / sum_{r that sent it} w_r. Every replica's error feedback
+    runs as usual (a left-out replica's sent values are lost to it)."""
+    R = problem.replicas
+    anchor, out = problem.theta0.copy(), []
+    e = [np.zeros_like(anchor) for _ in range(R)]
+    for t in range(rounds):
+        total, count = np.zeros_like(anchor), np.zeros_like(anchor)
+        for r in range(R):
+            e[r] = beta * e[r] + (anchor - inner_sgd(problem, r, anchor, lr, H))
+            sent, support = _topk_ternary(e[r], k, chunk, True)
+            e[r] = e[r] - sent
+            total, count = total + weights[t][r] * sent, count + weights[t][r] * support
+        anchor = anchor - alpha * np.where(count > 0, total / np.where(count > 0, count, 1), 0)
+        out.append(np.stack([anchor] * R))
+    return np.array(out)
