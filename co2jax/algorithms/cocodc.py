@@ -67,6 +67,8 @@ class CoCoDCState(NamedTuple):
     streaming: StreamingState
     sent: tuple[Any, ...]
 
+    REPLICA_VARYING = ("sent",)
+
     @property
     def anchor(self) -> Params:
         """Every fragment's global copy (``streaming.anchor``)."""

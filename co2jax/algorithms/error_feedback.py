@@ -46,6 +46,8 @@ class ErrorFeedbackState(NamedTuple):
     inner_state: Any
     residuals: tuple[Any, ...]
 
+    REPLICA_VARYING = ("residuals",)
+
     @property
     def anchor(self) -> Any:
         """The wrapped state's anchor (so that :func:`co2jax.skip_nonfinite` can wrap this)."""

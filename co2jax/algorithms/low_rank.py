@@ -57,6 +57,8 @@ class LowRankState(NamedTuple):
     factors: tuple[tuple[jax.Array, ...], ...]
     residuals: tuple[Any, ...]
 
+    REPLICA_VARYING = ("factors", "residuals")
+
     @property
     def anchor(self) -> Any:
         """The wrapped state's anchor (so that :func:`co2jax.skip_nonfinite` can wrap this)."""

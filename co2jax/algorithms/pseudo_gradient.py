@@ -60,6 +60,8 @@ class PseudoGradientState(NamedTuple):
     pending: tuple[Params, ...]
     count: jax.Array
 
+    REPLICA_VARYING = ("pending",)
+
 
 def pseudo_gradient_method(
     outer_optimizer: optax.GradientTransformation,

@@ -52,6 +52,7 @@ class _Sparse(_Coded):
     """Top-k encodings; combined by a mean over the replicas that selected each index."""
 
     chunk: int = 1
+    per_index = True
 
     def mean(self, data, sizes, weights=None):
         vectors = []

@@ -181,6 +181,7 @@ class _DCTForm(Grouped):
 
     chunk: int = 64
     k: int = 32
+    per_index = True
 
     def combine(self, data, weights=None):
         leaves: list = [None] * len(self.shapes)

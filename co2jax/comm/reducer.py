@@ -153,6 +153,9 @@ class Grouped:
 
     per_unit = 1
     """Elements per leading-axis unit of a group's wire arrays (a codec's block)."""
+    per_index = False
+    """Combined per index over the replicas that sent it (a contributor mean), not as a mean
+    of the replicas' decoded payloads."""
 
     def mean(self, data, sizes: list[int], weights=None) -> list[jax.Array]:
         """Per group, the float32 mean of R wire forms stacked on a leading axis, as a vector

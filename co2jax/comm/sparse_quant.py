@@ -308,6 +308,10 @@ class _Quantized(Grouped):
     clip: bool = True
 
     @property
+    def per_index(self) -> bool:
+        return self.average == "contributors"
+
+    @property
     def per_unit(self) -> int:
         raise ValueError(
             "a production SparseLoCo encoding is clipped per whole tensor: it cannot be cut "

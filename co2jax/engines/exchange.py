@@ -6,17 +6,25 @@ combines the R payloads, in rank order, as the reducer's gather form says
 (:class:`co2jax.comm.Encoded`). Rendezvous is a list of addresses, one transfer server per
 replica, by rank (:class:`Peers`, from arguments, a JSON file or the ``CO2JAX_PEERS`` /
 ``CO2JAX_RANK`` environment variables). A peer that does not deliver within ``timeout_s``
-raises :class:`PeerError` naming the peer and the exchange.
+raises :class:`PeerError` naming the peer and the exchange; with a quorum below R
+(:class:`Peers`), :mod:`co2jax.engines.membership` goes on without it.
+
+Every transfer has a key, which names it on the server: with ``Peers.secret`` the key is
+derived from the secret (:func:`transfer_key`), so a job that does not hold the secret can
+neither name nor pull another job's payloads. What the transfer service does not protect:
+the bytes travel unencrypted and unauthenticated, so run the jobs on a private network or
+through a tunnel (``docs/multijob.md``, the trust model).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import os
 import threading
 import time
-from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -35,23 +43,41 @@ def _check_address(name: str, address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+KINDS = ("payload", "decision", "hello", "welcome")
+"""What a transfer carries: a round's payload, the coordinator's decision on an exchange, a
+restarted job's greeting, the state handed to it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Peers:
-    """Where every replica's transfer server listens, and which one this job is.
+    """Where every replica's transfer server listens, which one this job is, and how an
+    exchange treats a peer that fails.
 
     Attributes:
       addresses: ``"host:port"`` of each replica's transfer server, by rank (this job's own
         included: it listens there).
       rank: this job's replica index.
-      timeout_s: how long a round waits for a peer's payload before :class:`PeerError`.
+      timeout_s: how long an exchange waits for a peer's payload before :class:`PeerError`
+        (or, with a quorum, before it goes on without the peer).
       latency_ms: a delay the exchange adds before every pull, standing for link latency
         where the network cannot add it (this kernel's ``tc`` has no ``netem``); 0 = none.
+      quorum: the fewest replicas (this one included) an exchange may go on with. ``None``
+        (default): every replica, and any missing one raises :class:`PeerError`. Below R, a
+        dead, late or bad peer is left out of that exchange, not the run
+        (:mod:`co2jax.engines.membership`).
+      grace_s: once a quorum has arrived, how much longer an exchange waits for the rest.
+      secret: a per-run secret shared by every job (never logged, not in ``repr``): transfer
+        keys are derived from it (HMAC-SHA256), so a job without it cannot name, and so
+        cannot pull, another job's payloads. ``None``: predictable keys.
     """
 
     addresses: tuple[str, ...]
     rank: int
     timeout_s: float = 120.0
     latency_ms: float = 0.0
+    quorum: int | None = None
+    grace_s: float = 0.5
+    secret: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         addresses = tuple(self.addresses)
@@ -68,45 +94,91 @@ class Peers:
             raise ValueError(f"timeout_s must be > 0, got timeout_s={self.timeout_s!r}")
         if not self.latency_ms >= 0:
             raise ValueError(f"latency_ms must be >= 0, got latency_ms={self.latency_ms!r}")
+        q = self.quorum
+        if q is not None and (
+            isinstance(q, bool) or not isinstance(q, int) or not 1 <= q <= len(addresses)
+        ):
+            raise ValueError(f"quorum must be None or in 1..{len(addresses)}, got quorum={q!r}")
+        if not self.grace_s >= 0:
+            raise ValueError(f"grace_s must be >= 0, got grace_s={self.grace_s!r}")
+        if self.secret is not None and (not isinstance(self.secret, str) or len(self.secret) < 16):
+            raise ValueError("secret must be a string of at least 16 characters (not shown)")
 
     @property
     def replicas(self) -> int:
         return len(self.addresses)
 
+    @property
+    def tolerant(self) -> bool:
+        """A quorum below R: exchanges go on without failed peers."""
+        return self.quorum is not None and self.quorum < self.replicas
+
     @classmethod
     def from_file(cls, path: str, rank: int, **kw) -> Peers:
-        """From a JSON file ``{"addresses": [...], "timeout_s": ..., "latency_ms": ...}``."""
+        """From a JSON file ``{"addresses": [...], "timeout_s": ..., "latency_ms": ...,
+        "quorum": ..., "grace_s": ..., "secret": ...}`` (keep such a file private)."""
         with open(path) as f:
             spec = json.load(f)
         if not isinstance(spec, dict) or "addresses" not in spec:
-            raise ValueError(f"{path}: expected a JSON object with 'addresses', got {spec!r}")
+            raise ValueError(
+                f"{path}: expected a JSON object with 'addresses', got keys "
+                f"{sorted(spec) if isinstance(spec, dict) else type(spec).__name__}"
+            )
         return cls(tuple(spec.pop("addresses")), rank, **{**spec, **kw})
 
     @classmethod
     def from_env(cls, **kw) -> Peers:
-        """From ``CO2JAX_PEERS`` (comma-separated addresses) and ``CO2JAX_RANK``."""
+        """From ``CO2JAX_PEERS`` (comma-separated addresses), ``CO2JAX_RANK`` and, when set,
+        ``CO2JAX_SECRET``."""
         peers, rank = os.environ.get("CO2JAX_PEERS"), os.environ.get("CO2JAX_RANK")
         if not peers or rank is None or not rank.isdigit():
             raise ValueError(
                 "set CO2JAX_PEERS (host:port,host:port,...) and CO2JAX_RANK (an integer); got "
                 f"CO2JAX_PEERS={peers!r}, CO2JAX_RANK={rank!r}"
             )
+        if os.environ.get("CO2JAX_SECRET"):
+            kw = {"secret": os.environ["CO2JAX_SECRET"], **kw}
         return cls(tuple(p.strip() for p in peers.split(",")), int(rank), **kw)
 
 
-def _uuid(step: int, source: int, dest: int, replicas: int) -> int:
-    return (step * replicas + source) * replicas + dest + 1
+def transfer_key(peers: Peers, kind: str, step: int, source: int, dest: int) -> int:
+    """The transfer-service key of what ``source`` sends ``dest`` at exchange ``step``: with
+    a secret, the first 63 bits of HMAC-SHA256(secret, kind/step/source/dest), else a
+    predictable number."""
+    R = peers.replicas
+    if peers.secret is None:
+        return (((step * len(KINDS) + KINDS.index(kind)) * R + source) * R + dest) + 1
+    message = f"{kind}/{step}/{source}/{dest}/{R}".encode()
+    digest = hmac.new(peers.secret.encode(), message, hashlib.sha256).digest()
+    return (int.from_bytes(digest[:8], "big") & (2**63 - 1)) | 1
+
+
+class Pending:
+    """One exchange in flight: the peers' arrays as they arrive (``got``, by rank, this
+    job's own included) and why a peer failed (``failed``, by rank)."""
+
+    def __init__(self, step: int, label: str, own: int, leaves: list):
+        self.step, self.label = step, label
+        self.got: dict[int, list] = {own: leaves}
+        self.failed: dict[int, str] = {}
+        self.cond = threading.Condition()
+
+    def settled(self, replicas: int) -> bool:
+        return len(self.got) + len(self.failed) >= replicas
 
 
 class Exchange:
     """The outer exchange between R jobs: every job's payload reaches every other job.
 
-    ``start(step, leaves)`` publishes this job's payload (a list of arrays) once per peer (a
-    transfer can be pulled once) and starts pulling the peers' payloads of the same exchange
-    ``step`` (a counter every job advances alike) on a daemon thread; ``finish(future)``
-    waits for them (at most ``peers.timeout_s``) and returns the R payloads in rank order.
-    Bytes on the wire per exchange: ``(R - 1) *`` the payload's bytes, sent and received by
-    each job.
+    ``start(step, leaves, label, check)`` publishes this job's payload (a list of arrays)
+    once per peer (a transfer can be pulled once) and pulls every peer's payload of the same
+    exchange ``step`` (a counter every job advances alike), each on a daemon thread;
+    ``check(peer, arrays)`` returns why a received payload is unusable (or ``None``).
+    :meth:`wait` returns when every peer has answered, or a quorum has and the grace window
+    has passed, or at the timeout; :meth:`finish` is the strict form (every peer, else
+    :class:`PeerError`). Bytes on the wire per exchange: ``(R - 1) *`` the payload's bytes,
+    sent and received by each job. A connection that failed is opened again at the next
+    pull, so a restarted peer is reached at its address.
     """
 
     def __init__(self, peers: Peers, device: jax.Device | None = None):
@@ -119,63 +191,117 @@ class Exchange:
             self.device.client, peers.addresses[peers.rank], [f"{host}:0"]
         )
         self._connections: dict[int, Any] = {}
+        self._lock = threading.Lock()
         self.bytes_sent = 0
 
     def _connection(self, peer: int):
-        if peer not in self._connections:
-            self._connections[peer] = self.server.connect(self.peers.addresses[peer])
-        return self._connections[peer]
+        with self._lock:
+            if peer not in self._connections:
+                self._connections[peer] = self.server.connect(self.peers.addresses[peer])
+            return self._connections[peer]
 
-    def start(self, step: int, leaves: list, label: str | None = None) -> Future:
+    def _forget(self, peer: int) -> None:
+        with self._lock:
+            self._connections.pop(peer, None)
+
+    def publish(self, kind: str, step: int, leaves: list, dests) -> None:
+        """Offers ``leaves`` to each rank in ``dests`` (one pull each)."""
+        leaves = [_on_device(x, self.device) for x in leaves]
+        for peer in dests:
+            if peer != self.peers.rank:
+                key = transfer_key(self.peers, kind, step, self.peers.rank, peer)
+                self.server.await_pull(key, leaves)
+                self.bytes_sent += sum(x.nbytes for x in leaves)
+
+    def pull(self, kind: str, step: int, source: int, like: list, fresh: bool = False) -> list:
+        """``source``'s ``kind`` transfer of ``step`` to this job, shaped like ``like``
+        (blocks until it is offered; raises when the connection fails). ``fresh``: on a
+        connection of its own, not the one kept for ``source``."""
+        sharding = jax.sharding.SingleDeviceSharding(self.device)
+        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in like]
+        if self.peers.latency_ms:
+            time.sleep(self.peers.latency_ms / 1e3)
+        key = transfer_key(self.peers, kind, step, source, self.peers.rank)
+        if fresh:
+            connection = self.server.connect(self.peers.addresses[source])
+            return jax.block_until_ready(connection.pull(key, specs))
+        try:
+            return jax.block_until_ready(self._connection(source).pull(key, specs))
+        except Exception:
+            self._forget(source)
+            raise
+
+    def start(self, step: int, leaves: list, label: str | None = None, check=None) -> Pending:
         leaves = [_on_device(x, self.device) for x in leaves]
         rank, replicas = self.peers.rank, self.peers.replicas
-        label = label or f"exchange {step}"
+        pending = Pending(step, label or f"exchange {step}", rank, leaves)
+        self.publish("payload", step, leaves, range(replicas))
+
+        def pull(peer: int) -> None:
+            try:
+                arrays = self.pull("payload", step, peer, leaves)
+                reason = check(peer, arrays) if check is not None else None
+            except Exception as e:  # the connection broke: the peer is gone
+                arrays, reason = None, f"pulling its payload failed: {e}"
+            with pending.cond:
+                if reason is None:
+                    pending.got[peer] = arrays
+                else:
+                    pending.failed[peer] = reason
+                pending.cond.notify_all()
+
         for peer in range(replicas):
             if peer != rank:
-                self.server.await_pull(_uuid(step, rank, peer, replicas), leaves)
-                self.bytes_sent += sum(x.nbytes for x in leaves)
-        future: Future = Future()
-        sharding = jax.sharding.SingleDeviceSharding(self.device)
-        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in leaves]
+                name = f"co2jax-exchange-{step}-{peer}"
+                threading.Thread(target=pull, args=(peer,), name=name, daemon=True).start()
+        return pending
 
-        def pull() -> None:
-            try:
-                got = {rank: leaves}
-                for peer in range(replicas):
-                    if peer == rank:
-                        continue
-                    if self.peers.latency_ms:
-                        time.sleep(self.peers.latency_ms / 1e3)
-                    try:
-                        arrays = self._connection(peer).pull(
-                            _uuid(step, peer, rank, replicas), specs
-                        )
-                        got[peer] = jax.block_until_ready(arrays)
-                    except Exception as e:  # the connection broke: the peer is gone
-                        raise PeerError(
-                            f"replica {rank}: pulling the payload of {label} from peer "
-                            f"{peer} ({self.peers.addresses[peer]}) failed: {e}"
-                        ) from e
-                future.set_result([got[r] for r in range(replicas)])
-            except BaseException as e:  # delivered to finish()
-                future.set_exception(e)
+    def wait(self, pending: Pending, quorum: int | None = None, until=None) -> Pending:
+        """Waits until every peer has answered, or ``quorum`` payloads are in and
+        ``peers.grace_s`` more has passed, or ``peers.timeout_s`` (from the call); with
+        ``until`` (ranks), until those have answered (at most the timeout)."""
+        replicas, began = self.peers.replicas, time.monotonic()
+        deadline, quorum_at = began + self.peers.timeout_s, None
+        with pending.cond:
+            while True:
+                now = time.monotonic()
+                if until is not None:
+                    if all(r in pending.got or r in pending.failed for r in until):
+                        return pending
+                elif pending.settled(replicas):
+                    return pending
+                elif quorum is not None and len(pending.got) >= quorum:
+                    quorum_at = now if quorum_at is None else quorum_at
+                    if now >= quorum_at + self.peers.grace_s:
+                        return pending
+                if now >= deadline:
+                    return pending
+                limit = (
+                    deadline if quorum_at is None else min(deadline, quorum_at + self.peers.grace_s)
+                )
+                pending.cond.wait(max(limit - now, 0.001))
 
-        threading.Thread(target=pull, name=f"co2jax-exchange-{step}", daemon=True).start()
-        future.label = label
-        return future
+    def missing(self, pending: Pending, ranks) -> str:
+        """Why each of ``ranks`` has no payload in ``pending``."""
+        reasons = []
+        for r in ranks:
+            if r in pending.got:
+                continue
+            late = f"nothing arrived within timeout_s={self.peers.timeout_s}"
+            why = pending.failed.get(r, f"{late}: missing, dead or too slow")
+            reasons.append(f"peer {r} ({self.peers.addresses[r]}): {why}")
+        return "; ".join(reasons)
 
-    def finish(self, future: Future) -> list:
-        try:
-            return future.result(timeout=self.peers.timeout_s)
-        except TimeoutError:
-            missing = [
-                f"{r} ({a})" for r, a in enumerate(self.peers.addresses) if r != self.peers.rank
-            ]
+    def finish(self, pending: Pending) -> list:
+        """The R payloads in rank order; :class:`PeerError` if any peer's is missing."""
+        self.wait(pending)
+        every = range(self.peers.replicas)
+        if len(pending.got) < self.peers.replicas:
             raise PeerError(
-                f"replica {self.peers.rank}: the payloads of {future.label} did not arrive "
-                f"within timeout_s={self.peers.timeout_s} from peers {', '.join(missing)}: a "
-                "peer is missing, has died or is too slow"
-            ) from None
+                f"replica {self.peers.rank}: the payloads of {pending.label} are incomplete: "
+                f"{self.missing(pending, every)}"
+            )
+        return [pending.got[r] for r in every]
 
     def exchange(self, step: int, leaves: list) -> list:
         """``finish(start(step, leaves))``."""

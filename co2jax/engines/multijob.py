@@ -17,7 +17,12 @@ is left, combines the R payloads in rank order and applies them.
 
 A peer that does not deliver within ``timeout_s`` raises
 :class:`~co2jax.engines.exchange.PeerError` naming the peer and the round; the job's state
-(and checkpoints) before the round are untouched.
+(and checkpoints) before the round are untouched. With a quorum below R
+(``Peers(quorum=...)``) the round goes on without it (:mod:`co2jax.engines.membership`), a
+restarted job rejoins with :meth:`JobTrainer.rejoin`, and every payload is framed and
+checked (:mod:`co2jax.engines.jobstate`): a malformed or non-finite one is dropped like a
+dead peer's. Each payload carries its weight (the job's tokens this round: per-job step
+counts are token-weighted, and ``dylu=True`` sets them from the jobs' measured step times).
 
 Example (two shells; the same script with rank 0 and 1)::
 
@@ -43,33 +48,35 @@ import optax
 from co2jax.algorithms.data_parallel import no_sync
 from co2jax.axes import REPLICA
 from co2jax.comm import chunks
+from co2jax.comm.participation import clipped_mean
 from co2jax.comm.reducer import Encoded, values
-from co2jax.engines.exchange import Exchange, Peers
+from co2jax.engines import jobstate, rejoin
+from co2jax.engines.drift import DriftError, check_drift, invariant_part
+from co2jax.engines.exchange import Exchange, PeerError, Peers
+from co2jax.engines.jobstate import JobState
+from co2jax.engines.membership import Membership
 from co2jax.engines.round import RoundTrainer, TrainState
 from co2jax.mesh import make_mesh
 from co2jax.protocol import OuterOptimizer, plan, resolve
-
-
-class JobState(NamedTuple):
-    """One job's state: ``params`` (its replica's parameters), ``inner_state``,
-    ``outer_state`` (the algorithm's, as in the SPMD engine), ``round``."""
-
-    params: Any
-    inner_state: Any
-    outer_state: Any
-    round: int
+from co2jax.tree import fingerprint
 
 
 class JobMetrics(NamedTuple):
-    """``losses`` [H]; ``compute_s`` (the inner steps), ``wait_s`` (waiting for exchanges
-    once the steps before an apply were done), ``round_s`` (the whole round),
-    ``bytes_sent`` (this round, to all peers)."""
+    """``losses`` [steps]; ``compute_s`` (the inner steps), ``wait_s`` (waiting for
+    exchanges once the steps before an apply were done), ``round_s`` (the whole round),
+    ``bytes_sent`` (this round, to all peers), ``steps`` (inner steps taken), and per
+    exchange of the round ``participants`` (the ranks combined) and ``left_out`` (rank ->
+    why); ``admitted``: ranks admitted at the round's end."""
 
     losses: np.ndarray
     compute_s: float
     wait_s: float
     round_s: float
     bytes_sent: int
+    steps: int = 0
+    participants: tuple = ()
+    left_out: tuple = ()
+    admitted: tuple = ()
 
 
 class JobTrainer:
@@ -81,10 +88,23 @@ class JobTrainer:
         gather form (``encode``; every all-gather reducer, the exact means and the sparse
         top-k have one): the jobs exchange its encodings. A job has no replica axis to read
         R from: build eager updates with ``num_replicas`` set.
-      peers: this job's :class:`~co2jax.engines.exchange.Peers`.
+      peers: this job's :class:`~co2jax.engines.exchange.Peers` (its quorum, grace window
+        and secret).
       sync_every: H.
       mesh: this job's local mesh with axes ``replica`` (size 1) and ``data`` (default: all
         local devices on ``data``).
+      drift_every: every this many rounds, the jobs compare fingerprints of their anchors
+        (:mod:`co2jax.engines.drift`); a mismatch raises :class:`~co2jax.DriftError` (its
+        ``state`` attribute holds the round's result). 0: never. Equal on every job.
+      dylu: each round, the jobs share their time per inner step and each takes DyLU's step
+        count (:func:`co2jax.engines.jobstate.dylu_steps`) in the next. Equal on every job.
+      min_steps: DyLU's floor.
+      robust: combine the participants' decoded payloads with
+        :func:`co2jax.comm.participation.clipped_mean` (each scaled down to the median norm)
+        instead of the reducer's mean, so one faulty job cannot move the anchor arbitrarily.
+        For reducers that average decoded payloads (exact, quantized, low-rank); a mean over
+        contributors (top-k, DCT) is refused (SparseLoCo's production collective clips to
+        the median itself).
     """
 
     def __init__(
@@ -95,6 +115,11 @@ class JobTrainer:
         peers: Peers,
         sync_every: int,
         mesh: jax.sharding.Mesh | None = None,
+        *,
+        drift_every: int = 0,
+        dylu: bool = False,
+        min_steps: int = 5,
+        robust: bool = False,
     ):
         if not isinstance(outer, OuterOptimizer):
             raise ValueError(f"outer must be a co2jax.OuterOptimizer, got outer={outer!r}")
@@ -113,6 +138,22 @@ class JobTrainer:
                     else ""
                 )
             )
+        if peers.tolerant and outer.replica_local:
+            raise ValueError(
+                f"quorum={peers.quorum} < R: a job left out of an exchange must continue from "
+                "the same anchor as the others, and this outer optimizer keeps replica-local "
+                "anchors (outer.replica_local); use quorum=None"
+            )
+        if isinstance(drift_every, bool) or not isinstance(drift_every, int) or drift_every < 0:
+            raise ValueError(f"drift_every must be an integer >= 0, got {drift_every!r}")
+        if drift_every and outer.replica_local:
+            raise ValueError(
+                "drift_every: replica-local anchors differ by design: nothing to compare"
+            )
+        if dylu and any(
+            t.send not in (0, sync_every) or t.apply != sync_every for t in self.transfers
+        ):
+            raise ValueError("dylu=True needs every transfer sent at step 0 or H and applied at H")
         mesh = mesh if mesh is not None else make_mesh(replica=1, data=-1)
         if mesh.shape.get(REPLICA) != 1:
             raise ValueError(
@@ -125,17 +166,28 @@ class JobTrainer:
             peers,
             mesh,
         )
+        self.drift_every, self.dylu, self.min_steps = drift_every, bool(dylu), min_steps
+        self.robust = bool(robust)
         self.actions = plan(self.transfers)
         self._local: dict[int, RoundTrainer] = {}
         self.exchange = Exchange(peers, mesh.devices.flat[0])
+        self.membership = Membership(self.exchange)
         self._replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self._send = jax.jit(self._encoded_send, static_argnums=2)
         self._chunk = jax.jit(self._encoded_chunk, static_argnums=(1, 2))
         self._combine = jax.jit(lambda encoded: encoded.combine())
+        self._weighted = jax.jit(lambda encoded, w: encoded.combine(w))
+        self._clipped = jax.jit(
+            lambda enc, w: clipped_mean(
+                jax.vmap(lambda d: Encoded(d, enc.form).decode())(enc.data), w
+            )
+        )
         self._join = jax.jit(self._join_chunks, static_argnums=2)
         self._apply = jax.jit(outer.apply, static_argnums=2)
+        self._fingerprint = jax.jit(lambda s: fingerprint(invariant_part(s)))
         self._idle = None  # the local engines' (outer state, round): fixed, never read
-        self._exchanges = 0  # every job numbers its exchanges alike
+        self._exchanges = 0
+        self._next_steps = sync_every
 
     def _trainer(self, steps: int) -> RoundTrainer:
         """The local engine for ``steps`` inner steps (no sync: the replica-1 mesh runs just
@@ -188,52 +240,146 @@ class JobTrainer:
                     "this outer optimizer reads the replica count from the replica axis, which "
                     "a job does not have: build it with num_replicas set"
                 ) from e
-        return JobState(local.params, local.inner_state, outer_state, 0)
+        for i in range(len(self.transfers) if self.robust else 0):  # refused before any round
+            first = jax.tree.map(lambda x: x[0], local.params)
+            form = jax.eval_shape(
+                lambda p, s, i=i: self._encoded_send(p, s, i), first, outer_state
+            )[0]
+            if getattr(getattr(form, "form", None), "per_index", False):
+                raise ValueError(
+                    f"robust=True averages decoded payloads, and reducer "
+                    f"{self.outer.reducer.name!r} averages per index over contributors"
+                )
+        return JobState(local.params, local.inner_state, outer_state, 0, 0, ())
 
-    def _start(self, encoded, label: str):
+    # exchanges ------------------------------------------------------------------------
+
+    def _start(self, encoded, label: str, weight: float):
         leaves, treedef = jax.tree.flatten(encoded)
-        future = self.exchange.start(self._exchanges, leaves, label)
+        step = self._exchanges
+        leaves = [jnp.asarray(x) for x in leaves]
+        framed = jobstate.frame(leaves, self.peers.rank, step, weight)
+        check = lambda peer, arrays: jobstate.check_frame(arrays, framed, peer, step)
+        pending = self.exchange.start(step, framed, label, check)
         self._exchanges += 1
-        return future, treedef
+        return pending, treedef
 
-    def _finish(self, pending) -> Any:
-        future, treedef = pending
-        payloads = self.exchange.finish(future)  # R lists of leaves, in rank order
-        stacked = [jnp.stack(col) for col in zip(*payloads, strict=True)]
+    def _finish(self, started, round_end: bool, record: dict) -> Any:
+        pending, treedef = started
+        R = self.peers.replicas
+        if self.peers.tolerant:
+            decision = self.membership.decide(pending, round_end)
+            ranks = decision.participants
+            record["admitted"] = decision.admitted or record.get("admitted", ())
+        else:
+            self.exchange.finish(pending)  # every peer's, checked, or PeerError
+            ranks = tuple(range(R))
+        record["participants"].append(ranks)
+        record["left_out"].append(
+            {r: pending.failed.get(r, "late") for r in range(R) if r not in ranks}
+        )
+        payloads = [pending.got[r] for r in ranks]
+        weights = np.asarray([float(np.asarray(p[1])[0]) for p in payloads], np.float32)
+        if not weights.sum() > 0:
+            raise PeerError(f"replica {self.peers.rank}: {pending.label}: every weight is 0")
+        stacked = [jnp.stack(col) for col in zip(*[p[2:] for p in payloads], strict=True)]
         encoded = jax.tree.unflatten(treedef, jax.device_put(stacked, self._replicated))
-        return self._combine(encoded)
+        if self.robust:
+            if encoded.form.per_index:
+                raise ValueError(
+                    f"robust=True averages decoded payloads, and reducer "
+                    f"{self.outer.reducer.name!r} averages per index over contributors"
+                )
+            return self._clipped(encoded, jax.device_put(weights, self._replicated))
+        if len(ranks) == R and np.all(weights == weights[0]):
+            return self._combine(encoded)
+        return self._weighted(encoded, jax.device_put(weights, self._replicated))
 
-    def round(self, state: JobState, batch: Any) -> tuple[JobState, JobMetrics]:
-        """H inner steps on ``batch`` ([H, B, ...]: this job's data) and the schedule's
-        exchanges. Raises :class:`~co2jax.engines.exchange.PeerError` (state unchanged)
-        when a peer's payload does not arrive in time."""
+    def _side(self, value: np.ndarray, label: str) -> dict:
+        """A small exchange of ``value`` (uint32 or float32 ``[1]``), by rank: every peer's,
+        or with a quorum what the last exchange's set sends (at most ``timeout_s``)."""
+        step = self._exchanges
+        self._exchanges += 1
+        pending = self.exchange.start(step, [value], label)
+        if self.peers.tolerant:  # every job of the last exchange's set (they are alive)
+            self.exchange.wait(pending, until=self.membership.participants)
+            return {r: np.asarray(v[0])[0] for r, v in pending.got.items()}
+        return {r: np.asarray(v[0])[0] for r, v in enumerate(self.exchange.finish(pending))}
+
+    # the round ------------------------------------------------------------------------
+
+    def _steps(self, steps, weight) -> tuple[int, float]:
+        n = self._next_steps if steps is None else steps
+        if (
+            isinstance(n, bool)
+            or not isinstance(n, int | np.integer)
+            or not 1 <= n <= self.sync_every
+        ):
+            raise ValueError(
+                f"steps must be an integer in 1..H={self.sync_every}, got steps={steps!r}"
+            )
+        if n != self.sync_every and any(
+            t.send not in (0, self.sync_every) or t.apply != self.sync_every for t in self.transfers
+        ):
+            raise ValueError(
+                f"steps={n} < H: this schedule sends or applies during the round; per-round "
+                "step counts need every transfer sent at step 0 or H and applied at H"
+            )
+        weight = float(n) if weight is None else weight
+        if not (isinstance(weight, int | float) and np.isfinite(weight) and weight >= 0):
+            raise ValueError(f"weight must be a finite number >= 0, got weight={weight!r}")
+        return int(n), float(weight)
+
+    def round(
+        self, state: JobState, batch: Any, steps: int | None = None, weight: float | None = None
+    ) -> tuple[JobState, JobMetrics]:
+        """``steps`` inner steps (default H, or DyLU's count) on ``batch`` ([H, B, ...]:
+        this job's data; its first ``steps`` entries are used) and the schedule's exchanges,
+        this job's payloads weighing ``weight`` (default: ``steps``, its tokens at its batch
+        size). Raises :class:`~co2jax.engines.exchange.PeerError` (state unchanged) when a
+        peer's payload does not arrive in time (without a quorum) or fewer than the quorum
+        take part."""
+        n, weight = self._steps(steps, weight)
         began = time.perf_counter()
         sent = self.exchange.bytes_sent
+        self._exchanges = state.exchanges
+        self.membership.previous = state.members or tuple(range(self.peers.replicas))
+        self.membership.participants = self.membership.previous
         one = lambda t: jax.tree.map(lambda x: x[0], t)
-        cuts = sorted({0, self.sync_every, *(a.at for a in self.actions)})
+        at = lambda a: n if a.at == self.sync_every else a.at
+        cuts = sorted({0, n, *(at(a) for a in self.actions)})
+        last = max(
+            (k for k, a in enumerate(self.actions) if a.kind in ("sync", "apply")), default=None
+        )
         local = TrainState(state.params, state.inner_state, *self._idle)
         outer_state, store, losses = state.outer_state, {}, []
+        record = {"participants": [], "left_out": [], "admitted": ()}
         compute = wait = 0.0
         for start, stop in zip(cuts, [*cuts[1:], None], strict=True):
-            for a in (a for a in self.actions if a.at == start):
+            for k, a in ((k, a) for k, a in enumerate(self.actions) if at(a) == start):
                 label = f"round {state.round}, transfer {a.transfer}"
                 params = one(local.params)
+                t = self.transfers[a.transfer]
+                w = 0.0 if state.fresh and t.send == 0 else weight
                 if a.kind in ("sync", "send"):
                     payload, outer_state = self._send(params, outer_state, a.transfer)
-                    if self.transfers[a.transfer].chunks == 1:
-                        store[a.transfer] = (payload, [self._start(payload, label)])
+                    if t.chunks == 1:
+                        store[a.transfer] = (payload, [self._start(payload, label, w)])
                     else:
                         store[a.transfer] = (payload, [])
-                if a.kind in ("send", "chunk") and self.transfers[a.transfer].chunks > 1:
+                if a.kind in ("send", "chunk") and t.chunks > 1:
                     payload, pending = store[a.transfer]
                     encoded = self._chunk(payload, a.transfer, a.chunk)
-                    pending.append(self._start(encoded, f"{label}, chunk {a.chunk}"))
+                    pending.append(self._start(encoded, f"{label}, chunk {a.chunk}", w))
                 if a.kind in ("sync", "apply"):
                     payload, pending = store.pop(a.transfer)
                     t0 = time.perf_counter()
-                    reduced = [self._finish(p) for p in pending]
+                    reduced = [
+                        self._finish(p, k == last and j == len(pending) - 1, record)
+                        for j, p in enumerate(pending)
+                    ]
                     wait += time.perf_counter() - t0
-                    if self.transfers[a.transfer].chunks > 1:
+                    if t.chunks > 1:
                         pieces = [list(r) for r in reduced]
                         reduced = [self._join(pieces, payload, a.transfer)]
                     params, outer_state = self._apply(params, outer_state, a.transfer, reduced[0])
@@ -249,7 +395,29 @@ class JobTrainer:
             losses.append(np.asarray(metrics.loss)[0])  # waits for the steps
             compute += time.perf_counter() - t0
         params = jax.block_until_ready(local.params)
-        new = JobState(params, local.inner_state, outer_state, state.round + 1)
+        members = self.membership.previous if self.peers.tolerant else ()
+        new = JobState(params, local.inner_state, outer_state, state.round + 1, 0, members)
+        if self.dylu:
+            label = f"round {state.round}, step times"
+            times = self._side(np.asarray([compute / n], np.float32), label)
+            mine = sorted(times).index(self.peers.rank)
+            self._next_steps = jobstate.dylu_steps(
+                self.sync_every, [times[r] for r in sorted(times)], self.min_steps
+            )[mine]
+        if self.drift_every and new.round % self.drift_every == 0:
+            digest = np.asarray([int(self._fingerprint(outer_state))], np.uint32)
+            prints = {
+                int(r): int(v) for r, v in self._side(digest, f"round {state.round}, drift").items()
+            }
+            new = new._replace(exchanges=self._exchanges)
+            try:
+                check_drift(prints, state.round)
+            except DriftError as e:
+                e.state = new
+                raise
+        new = new._replace(exchanges=self._exchanges)
+        if record["admitted"] and self.membership.decided_last:
+            rejoin.welcome(self, new, record["admitted"])
         done = time.perf_counter()
         return new, JobMetrics(
             np.concatenate(losses),
@@ -257,4 +425,23 @@ class JobTrainer:
             wait,
             done - began,
             self.exchange.bytes_sent - sent,
+            n,
+            tuple(record["participants"]),
+            tuple(record["left_out"]),
+            tuple(record["admitted"]),
         )
+
+    # rejoin and checkpoints (co2jax.engines.rejoin)
+
+    def rejoin(self, params: Any) -> JobState:
+        """The state of a restarted job, handed over by a live peer
+        (:func:`co2jax.engines.rejoin.rejoin`); ``params``: the initial parameters."""
+        return rejoin.rejoin(self, params)
+
+    def save(self, directory: str, state: JobState) -> None:
+        """Writes ``state`` to ``directory`` (orbax; :func:`co2jax.engines.rejoin.save`)."""
+        rejoin.save(self, directory, state)
+
+    def restore(self, directory: str, params: Any) -> JobState:
+        """The state :meth:`save` wrote; ``params``: the initial parameters (for the shapes)."""
+        return rejoin.restore(self, directory, params)

@@ -1,0 +1,150 @@
+"""What a job's exchanges carry besides the payload, and what a job's state is on disk.
+
+- **Framing and checks.** Every payload a job sends is framed as ``[header, weight,
+  *leaves]``: ``header`` (uint32 ``[3]``) holds a digest of the leaves' shapes and dtypes, the
+  sender's rank and the exchange number; ``weight`` (float32 ``[1]``) its weight in the mean
+  (its tokens). A received payload is used only if its header matches what this job expects,
+  its weight is finite and ``>= 0``, and every floating leaf is finite (:func:`check_frame`);
+  otherwise it is dropped from the exchange like a dead peer's, and the reason is reported.
+  A pull shaped differently from what the peer offered fails in the transfer service.
+- **A fresh replica.** :func:`reset_varying` gives a state's replica-varying fields (marked
+  ``REPLICA_VARYING`` on the state types: error-feedback residuals, a delayed algorithm's own
+  in-flight pseudo-gradients, low-rank warm starts) their initial values: what a rejoining job
+  takes from the state a live peer hands it (the other fields are the same on every replica).
+- **Checkpoints.** :func:`save` and :func:`restore` write and read a job's whole state with
+  orbax (written to a temporary name and renamed: a crash leaves no half-written one).
+- **DyLU.** :func:`dylu_steps`: uneven replicas take ``H_w = max(floor(H * t_fast / t_w),
+  min_steps)`` inner steps, so that they all finish a round together.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HEADER_MASK = 0xFFFFFFFF
+
+
+class JobState(NamedTuple):
+    """One job's state: ``params`` (its replica's parameters), ``inner_state``,
+    ``outer_state`` (the algorithm's, as in the SPMD engine), ``round`` (rounds completed),
+    ``exchanges`` (exchanges so far: every job numbers them alike), ``members`` (the ranks
+    of the last exchange's set and those admitted after it; ``()``: every replica) and
+    ``fresh`` (a rejoined job before its first round: the payloads it sends before any inner
+    step, a delayed algorithm's, weigh 0, its own in-flight work having been lost)."""
+
+    params: Any
+    inner_state: Any
+    outer_state: Any
+    round: int
+    exchanges: int = 0
+    members: tuple = ()
+    fresh: bool = False
+
+
+def structure_digest(leaves: list) -> int:
+    """crc32 of the leaves' shapes and dtypes, in order."""
+    text = ";".join(f"{tuple(x.shape)}:{jnp.dtype(x.dtype).name}" for x in leaves)
+    return zlib.crc32(text.encode())
+
+
+def frame(leaves: list, rank: int, step: int, weight: float) -> list:
+    header = np.asarray([structure_digest(leaves), rank, step & HEADER_MASK], np.uint32)
+    return [header, np.asarray([weight], np.float32), *leaves]
+
+
+@jax.jit
+def _all_finite(leaves: list) -> jax.Array:
+    ok = [jnp.all(jnp.isfinite(x)) for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(ok)) if ok else jnp.bool_(True)
+
+
+def check_frame(arrays: list, like: list, peer: int, step: int) -> str | None:
+    """Why a framed payload from ``peer`` at exchange ``step`` is unusable, or ``None``."""
+    header, weight = np.asarray(arrays[0]), float(np.asarray(arrays[1])[0])
+    if int(header[0]) != structure_digest(like[2:]):
+        return "malformed: its leaves' shapes or dtypes differ from this job's"
+    if int(header[1]) != peer or int(header[2]) != step & HEADER_MASK:
+        return (
+            f"malformed: its header names replica {int(header[1])}, exchange "
+            f"{int(header[2])} (expected {peer}, {step & HEADER_MASK})"
+        )
+    if not (math.isfinite(weight) and weight >= 0):
+        return f"malformed: its weight is {weight}"
+    if not bool(_all_finite(list(arrays[2:]))):
+        return "non-finite: its payload has a NaN or an Inf"
+    return None
+
+
+def reset_varying(state: Any, fresh: Any) -> Any:
+    """``state`` with every field named in its type's ``REPLICA_VARYING`` taken from
+    ``fresh`` (an ``init`` of the same structure), at any depth."""
+    if isinstance(state, tuple) and hasattr(type(state), "_fields"):
+        varying = getattr(type(state), "REPLICA_VARYING", ())
+        fields = {
+            name: getattr(fresh, name)
+            if name in varying
+            else reset_varying(getattr(state, name), getattr(fresh, name))
+            for name in state._fields
+        }
+        return type(state)(**fields)
+    if isinstance(state, list | tuple):
+        return type(state)(reset_varying(s, f) for s, f in zip(state, fresh, strict=True))
+    if isinstance(state, dict):
+        return {k: reset_varying(v, fresh[k]) for k, v in state.items()}
+    return state
+
+
+def save(directory: str, state: Any, metadata: dict) -> None:
+    """Writes ``state`` (arrays) and ``metadata`` (JSON) to ``directory`` (which must not
+    exist): orbax writes to a temporary name and renames it when complete."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    if os.path.exists(directory):
+        raise ValueError(f"directory={directory!r} exists: a checkpoint is never overwritten")
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(os.path.join(directory, "state"), state)
+        checkpointer.wait_until_finished()
+    with open(os.path.join(directory, "job.json.tmp"), "w") as f:
+        json.dump(metadata, f)
+    os.replace(os.path.join(directory, "job.json.tmp"), os.path.join(directory, "job.json"))
+
+
+def restore(directory: str, target: Any) -> tuple[Any, dict]:
+    """``(state, metadata)`` from :func:`save`'s ``directory``; ``target`` gives the
+    structure, shapes, dtypes and shardings (an abstract or concrete state)."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    meta_path = os.path.join(directory, "job.json")
+    if not os.path.exists(meta_path):
+        raise ValueError(f"directory={directory!r} holds no complete job checkpoint")
+    with open(meta_path) as f:
+        metadata = json.load(f)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    with ocp.StandardCheckpointer() as checkpointer:
+        state = checkpointer.restore(os.path.join(directory, "state"), abstract)
+    return state, metadata
+
+
+def dylu_steps(steps: int, step_times, min_steps: int = 5) -> list[int]:
+    """DyLU's inner steps per replica: ``max(floor(H * t_fast / t_w), min_steps)``, at most
+    H, from each replica's measured time per inner step ``t_w`` (``t_fast`` the smallest).
+
+    Example:
+      >>> dylu_steps(32, [0.1, 0.2, 0.1])
+      [32, 16, 32]
+    """
+    times = np.asarray(step_times, np.float64)
+    if times.ndim != 1 or not np.all(np.isfinite(times)) or np.any(times <= 0):
+        raise ValueError(f"step_times must be positive seconds, got {times.tolist()}")
+    fast = float(times.min())
+    return [int(min(steps, max(math.floor(steps * fast / t + 1e-9), min_steps))) for t in times]

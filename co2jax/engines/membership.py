@@ -1,0 +1,194 @@
+"""Quorum exchanges between jobs: who took part in an exchange, decided once for everyone.
+
+With a quorum below R (:class:`~co2jax.engines.exchange.Peers`), a job goes on without a
+peer that is dead, late (past the grace window), or whose payload is malformed or not
+finite. Every job must combine the same payloads, or the anchors part, so one job decides:
+
+- The *coordinator* is the lowest rank that took part in the previous exchange. It waits
+  for a quorum and the grace window (for every job at the run's first exchange, which
+  waits out the jobs' start and compilation), takes the payloads it holds as the exchange's set S,
+  and sends S to every other job (a *decision*). The others wait for the decision, then for
+  any payload of S they do not yet hold (at most ``timeout_s``), and combine S in rank
+  order. A job left out of S applies the same reduced payload as the others, so its own
+  contribution is lost and its anchor stays identical.
+- If the coordinator fails, the next rank of the previous set takes over. A job that cannot
+  get candidate k's decision (attempt k) turns to candidate k + 1. A candidate that cannot
+  get the decisions of those before it decides itself.
+- *Rejoin*: a restarted job greets every peer (:func:`greet`). A job outside the last set
+  is looked for by every other job (a pull of its greeting). The coordinator admits a
+  greeted job in the decision of a round's last exchange and, after that round, sends it
+  its whole state (:meth:`co2jax.JobTrainer.rejoin`). The admitted job takes part from the
+  next exchange on.
+
+Not handled: a partition between live jobs that both reach a quorum. The candidates'
+order makes two deciders unlikely, not impossible. Neither is a payload offered to a peer
+that never pulls it, which stays on the server (one per exchange while a peer is away).
+Every change of membership is logged (logger ``co2jax.jobs``) and recorded in
+:attr:`Membership.events`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from co2jax.engines.exchange import Exchange, PeerError, Pending
+
+log = logging.getLogger("co2jax.jobs")
+
+OUT, IN, ADMITTED = 0, 1, 2
+PROBES, PROBE_RETRY_S = 4, 2.0
+
+
+class Decision(NamedTuple):
+    """An exchange's outcome: ``participants`` (ranks, sorted), ``admitted`` (ranks that
+    join from the next exchange) and ``left_out`` (rank -> why)."""
+
+    participants: tuple[int, ...]
+    admitted: tuple[int, ...]
+    left_out: dict
+
+
+def greet(exchange: Exchange) -> int:
+    """A restarted job's greeting (its rank and a fresh nonce, which keys the state handed
+    to it), offered to every peer once; returns the nonce."""
+    peers = exchange.peers
+    nonce = secrets.randbelow(2**31 - 2) + 1
+    hello = [np.asarray([peers.rank, nonce], np.int32)]
+    exchange.publish("hello", 0, hello, range(peers.replicas))
+    return nonce
+
+
+class Membership:
+    """Every job's view of who takes part, kept equal on all jobs by the decisions."""
+
+    def __init__(self, exchange: Exchange):
+        self.exchange, self.peers = exchange, exchange.peers
+        self.previous: tuple[int, ...] = tuple(range(self.peers.replicas))
+        self.participants: tuple[int, ...] = self.previous  # the last decision's set
+        self.events: list[str] = []
+        self._greeted: dict[int, int] = {}  # rank -> nonce
+        self._probes: dict[int, list] = {}  # rank -> [(thread, started)]
+        self.decided_last = False  # this job decided the last exchange
+
+    # greetings ------------------------------------------------------------------------
+
+    def _probe(self) -> None:
+        """Looks for the greeting of every rank outside the last set, on a new connection
+        each time (a connection to a dead process may hang): a new look when the last one
+        has been waiting ``PROBE_RETRY_S``, at most ``PROBES`` waiting per rank."""
+        now = time.monotonic()
+        for rank in range(self.peers.replicas):
+            if rank in self.previous or rank in self._greeted or rank == self.peers.rank:
+                continue
+            alive = [(t, at) for t, at in self._probes.get(rank, []) if t.is_alive()]
+            self._probes[rank] = alive
+            if len(alive) >= PROBES or (alive and now - alive[-1][1] < PROBE_RETRY_S):
+                continue
+
+            def pull(rank=rank) -> None:
+                try:
+                    hello = self.exchange.pull(
+                        "hello", 0, rank, [np.zeros(2, np.int32)], fresh=True
+                    )
+                    self._greeted[rank] = int(np.asarray(hello[0])[1])
+                except Exception:  # not up yet: looked for again at the next exchange
+                    pass
+
+            thread = threading.Thread(target=pull, daemon=True)
+            thread.start()
+            alive.append((thread, now))
+
+    # decisions ------------------------------------------------------------------------
+
+    def _pull_decision(self, step: int, attempt: int, source: int) -> np.ndarray | None:
+        out: list = []
+
+        def pull() -> None:
+            try:
+                like = [np.zeros(self.peers.replicas, np.int32)]
+                key_step = step * self.peers.replicas + attempt
+                out.append(np.asarray(self.exchange.pull("decision", key_step, source, like)[0]))
+            except Exception:
+                pass
+
+        thread = threading.Thread(target=pull, daemon=True)
+        thread.start()
+        thread.join(self.peers.timeout_s)
+        return out[0] if out else None
+
+    def decide(self, pending: Pending, round_end: bool) -> Decision:
+        """The set of ``pending``'s exchange, the same on every job (see the module
+        docstring); raises :class:`PeerError` when fewer than the quorum took part or this
+        job cannot get the decision or a payload it names."""
+        me, R, quorum = self.peers.rank, self.peers.replicas, self.peers.quorum
+        self._probe()
+        # the run's first exchange waits for everyone (at most timeout_s): jobs start and
+        # compile at different times, and a grace window is for the rounds after
+        self.exchange.wait(pending, quorum if pending.step > 0 else None)
+        mask, self.decided_last = None, False
+        for attempt, candidate in enumerate(sorted(self.previous)):
+            if candidate == me:
+                mask = np.full(R, OUT, np.int32)
+                mask[sorted(pending.got)] = IN
+                if round_end:
+                    for rank in set(self._greeted) - set(pending.got):
+                        mask[rank] = ADMITTED
+                if int(np.sum(mask == IN)) < quorum:
+                    raise PeerError(
+                        f"replica {me}: {pending.label}: only {int(np.sum(mask == IN))} of "
+                        f"quorum={quorum} replicas took part; "
+                        f"{self.exchange.missing(pending, range(R))}"
+                    )
+                self.exchange.publish("decision", pending.step * R + attempt, [mask], range(R))
+                self.decided_last = True
+                break
+            mask = self._pull_decision(pending.step, attempt, candidate)
+            if mask is not None:
+                break
+        if mask is None:
+            raise PeerError(f"replica {me}: {pending.label}: no coordinator's decision arrived")
+        participants = tuple(int(r) for r in np.flatnonzero(mask == IN))
+        admitted = tuple(int(r) for r in np.flatnonzero(mask == ADMITTED))
+        self.exchange.wait(pending, until=participants)
+        lacking = [r for r in participants if r not in pending.got]
+        if lacking:
+            raise PeerError(
+                f"replica {me}: {pending.label}: the coordinator counted peers {lacking}, whose "
+                f"payloads this job lacks: {self.exchange.missing(pending, lacking)}"
+            )
+        left = {r: pending.failed.get(r, "late: not within the grace window") for r in range(R)}
+        left = {r: why for r, why in left.items() if r not in participants}
+        self._record(pending.label, participants, admitted, left)
+        self.previous = tuple(sorted({*participants, *admitted}))
+        self.participants = participants
+        for r in (*admitted, *participants):
+            if r not in admitted:
+                self._greeted.pop(r, None)
+        return Decision(participants, admitted, left)
+
+    def nonce(self, rank: int) -> int:
+        """The nonce of ``rank``'s greeting (it keys the state handed to it), once."""
+        return self._greeted.pop(rank)
+
+    def _record(self, label: str, participants, admitted, left) -> None:
+        before = set(self.previous)
+        for r in sorted(before - set(participants)):
+            self._event(f"{label}: replica {r} left out ({left.get(r, 'absent')})")
+        for r in sorted(set(participants) - before):
+            self._event(f"{label}: replica {r} takes part again")
+        for r in admitted:
+            self._event(f"{label}: replica {r} admitted: it rejoins from the next exchange")
+
+    def note(self, text: str) -> None:
+        """Records and logs a membership event."""
+        self._event(text)
+
+    def _event(self, text: str) -> None:
+        self.events.append(text)
+        log.warning("replica %d: %s", self.peers.rank, text)

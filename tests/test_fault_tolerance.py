@@ -1,0 +1,361 @@
+"""Fault tolerance between jobs: quorum exchanges, dropped peers, rejoin, trust checks, drift
+and checkpoints (co2jax.engines.membership, jobstate, rejoin). Jobs are processes on
+loopback (tests/ft_worker.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ft_worker as worker
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import textbook as tb
+from test_engine import engine_loss, textbook_batch
+
+import co2jax
+from co2jax.engines import jobstate
+
+TESTS = Path(__file__).parent
+DEADLINE_S = 180
+
+
+def _ports(n: int) -> list[int]:
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+class Jobs:
+    """Worker processes on loopback, killed at the deadline (a test never hangs)."""
+
+    def __init__(self, out: Path, replicas: int = worker.REPLICAS):
+        self.out = out
+        self.addresses = ",".join(f"127.0.0.1:{p}" for p in _ports(replicas))
+        self.procs: dict[tuple, subprocess.Popen] = {}
+        self.env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+
+    def start(self, rank: int, mode: str) -> subprocess.Popen:
+        log = open(self.out / f"{mode}_{rank}.log", "wb")
+        cmd = [sys.executable, str(TESTS / "ft_worker.py"), str(rank), self.addresses]
+        proc = subprocess.Popen(
+            [*cmd, str(self.out), mode],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+        )
+        self.procs[(rank, mode)] = proc
+        return proc
+
+    def wait(self, deadline: float) -> dict:
+        while any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.kill()
+        return {k: p.returncode for k, p in self.procs.items()}
+
+    def kill(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in self.out.glob("*.log"))
+
+    def record(self, mode: str, rank: int) -> dict:
+        return json.loads((self.out / f"{mode}_{rank}.json").read_text())
+
+
+def _spmd_masked(masks: list) -> np.ndarray:
+    """The SPMD round engine with these per-round participation masks: [rounds, R, dim]."""
+    problem = worker.problem()
+    H = tb.REGISTERED_H
+    outer, inner = harness.registered("diloco", problem, worker.LR, H)
+    mesh = co2jax.make_mesh(replica=worker.REPLICAS, data=1, devices=jax.devices("cpu")[:3])
+    trainer = co2jax.RoundTrainer(engine_loss, inner, outer, mesh, H)
+    state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
+    out = []
+    for mask in masks:
+        state, _ = trainer.round(state, textbook_batch(problem, H), weights=mask)
+        out.append(np.asarray(harness.flatten(jax.device_get(state.params)), np.float64))
+    return np.stack(out)
+
+
+def _mask(participants: list) -> list:
+    return [1.0 if r in participants else 0.0 for r in range(worker.REPLICAS)]
+
+
+def test_a_dead_job_is_left_out_and_a_restarted_one_rejoins(tmp_path):
+    """3 jobs, quorum 2: rank 2 dies before its round 2; ranks 0 and 1 go on without it
+    (no restart of theirs, the loss of rank 2 named in every exchange they record); rank 2
+    is started again, rejoins through JobTrainer.rejoin and from then on all three anchors
+    are bit-identical, drift-checked every round, and the whole run equals the SPMD engine
+    with the recorded participation as masks."""
+    jobs = Jobs(tmp_path)
+    for rank in (0, 1):
+        jobs.start(rank, "survive")
+    dying = jobs.start(2, "die")
+    deadline = time.monotonic() + DEADLINE_S
+    while dying.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    jobs.start(2, "rejoin")
+    codes = jobs.wait(deadline)
+    assert set(codes.values()) == {0}, f"{codes}\n{jobs.logs()}"
+    survivors = [jobs.record("survive", r) for r in (0, 1)]
+    joined = jobs.record("rejoin", 2)
+    rounds = {int(t): v for t, v in survivors[0]["rounds"].items()}
+    assert all(s["error"] is None for s in (*survivors, joined)), jobs.logs()
+    dropped = [t for t, v in rounds.items() if v["participants"] == [[0, 1]]]
+    assert dropped and dropped[0] == worker.DIE_AT, rounds
+    assert all("2" in rounds[t]["left_out"][0] for t in dropped)
+    admitted = [t for t, v in rounds.items() if v["admitted"] == [2]]
+    assert len(admitted) == 1 and joined["start_round"] == admitted[0] + 1
+    for t, v in joined["rounds"].items():
+        # its first round compiles its programs: it may be late for that one exchange
+        first = int(t) == joined["start_round"]
+        assert v["participants"] == [[0, 1, 2]] or (first and v["participants"] == [[0, 1]])
+        for s in survivors:  # bit-identical anchors after the join
+            assert s["rounds"][t]["params"] == v["params"], t
+    assert max(rounds) == max(int(t) for t in joined["rounds"])
+    masks = [_mask(rounds[t]["participants"][0]) for t in sorted(rounds)]
+    want = _spmd_masked(masks)
+    for t in sorted(rounds):
+        for r, s in enumerate(survivors):
+            np.testing.assert_allclose(
+                s["rounds"][str(t)]["params"], want[t, r], rtol=1e-6, atol=1e-6
+            )
+    assert any("replica 2 left out" in e for e in survivors[0]["events"])
+    assert any("replica 2 admitted" in e for e in survivors[0]["events"])
+
+
+@pytest.mark.parametrize("mode, reason", [("nan", "non-finite"), ("malformed", "malformed")])
+def test_a_bad_payload_is_dropped_and_reported(tmp_path, mode, reason):
+    """Rank 2's payload of round 1 is non-finite (a NaN batch) or malformed (a wrong
+    header): the others drop it from that round and say why; rank 2 applies the same
+    update, so all three continue bit-identical, as the SPMD engine with that mask."""
+    jobs = Jobs(tmp_path)
+    for rank in (0, 1):
+        jobs.start(rank, "steady")
+    jobs.start(2, mode)
+    codes = jobs.wait(time.monotonic() + DEADLINE_S)
+    assert set(codes.values()) == {0}, f"{codes}\n{jobs.logs()}"
+    records = [jobs.record("steady", 0), jobs.record("steady", 1), jobs.record(mode, 2)]
+    bad = str(worker.POISON_AT)
+    for rec in records:
+        assert rec["rounds"][bad]["participants"] == [[0, 1]]
+        assert rec["rounds"]["0"]["participants"] == [[0, 1, 2]]
+    assert reason in records[0]["rounds"][bad]["left_out"][0]["2"]
+    for t in records[0]["rounds"]:
+        assert records[0]["rounds"][t]["params"] == records[2]["rounds"][t]["params"]
+    masks = [_mask(records[0]["rounds"][str(t)]["participants"][0]) for t in range(3)]
+    want = _spmd_masked(masks)
+    np.testing.assert_allclose(
+        records[1]["rounds"]["2"]["params"], want[2, 1], rtol=1e-6, atol=1e-6
+    )
+
+
+def test_drift_between_jobs_is_detected(tmp_path):
+    """Rank 1 starts from other parameters (another seed): the anchors' fingerprints differ
+    after the first round, and every job raises DriftError naming the round and replica 1
+    (the largest group, ranks 0 and 2, agree)."""
+    jobs = Jobs(tmp_path)
+    for rank in range(3):
+        jobs.start(rank, "drift")
+    codes = jobs.wait(time.monotonic() + DEADLINE_S)
+    assert set(codes.values()) == {0}, f"{codes}\n{jobs.logs()}"
+    for rank in range(3):
+        error = jobs.record("drift", rank)["error"]
+        assert error and error["replicas"] == [1] and error["round"] == 0, error
+
+
+def test_a_pull_with_a_wrong_key_gets_nothing(tmp_path):
+    """Keys derived from the run's secret: a job with another secret names another
+    transfer and receives nothing; with the secret the same payload arrives. The secret is
+    not in the Peers' repr."""
+    jobs = Jobs(tmp_path)
+    jobs.start(0, "keys")
+    assert jobs.wait(time.monotonic() + 60) == {(0, "keys"): 0}, jobs.logs()
+    result = json.loads((tmp_path / "keys.json").read_text())
+    assert result["wrong_pending_after_2s"] and "wrong" not in result, result
+    assert result["right"] == [0.0, 1.0, 2.0, 3.0]
+    assert worker.SECRET not in result["repr"] and "secret" not in result["repr"]
+
+
+def test_keys_depend_on_the_secret_and_every_field():
+    peers = co2jax.Peers(("a:1", "a:2", "a:3"), 0, secret="s" * 16)
+    keys = {
+        co2jax.engines.exchange.transfer_key(peers, kind, step, src, dst)
+        for kind in ("payload", "decision", "hello", "welcome")
+        for step in range(4)
+        for src in range(3)
+        for dst in range(3)
+    }
+    assert len(keys) == 4 * 4 * 3 * 3 and all(0 < k < 2**63 for k in keys)
+    other = co2jax.Peers(("a:1", "a:2", "a:3"), 0, secret="t" * 16)
+    assert co2jax.engines.exchange.transfer_key(other, "payload", 0, 0, 1) not in keys
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(quorum=0), "quorum must be None or in 1..2"),
+        (dict(quorum=3), "quorum must be None or in 1..2"),
+        (dict(grace_s=-1), "grace_s"),
+        (dict(secret="short"), "at least 16 characters"),
+    ],
+)
+def test_peers_fault_tolerance_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        co2jax.Peers(("a:1", "a:2"), 0, **kwargs)
+
+
+def test_frames_are_checked():
+    leaves = [jnp.ones((2, 3)), jnp.arange(4, dtype=jnp.int32)]
+    framed = jobstate.frame(leaves, 1, 7, 2.0)
+    assert jobstate.check_frame(framed, framed, 1, 7) is None
+    assert "names replica 1" in jobstate.check_frame(framed, framed, 2, 7)
+    assert "exchange 7" in jobstate.check_frame(framed, framed, 1, 8)
+    other = jobstate.frame([jnp.ones((3, 2)), leaves[1]], 1, 7, 2.0)
+    assert "shapes or dtypes" in jobstate.check_frame(other, framed, 1, 7)
+    nan = jobstate.frame([leaves[0].at[1, 1].set(jnp.inf), leaves[1]], 1, 7, 2.0)
+    assert "non-finite" in jobstate.check_frame(nan, framed, 1, 7)
+    negative = jobstate.frame(leaves, 1, 7, -1.0)
+    assert "weight" in jobstate.check_frame(negative, framed, 1, 7)
+
+
+def test_dylu_steps():
+    assert jobstate.dylu_steps(32, [0.1, 0.2, 0.1]) == [32, 16, 32]
+    assert jobstate.dylu_steps(32, [0.1, 1.0]) == [32, 5]  # the floor
+    assert jobstate.dylu_steps(4, [0.1, 1.0]) == [4, 4]  # at most H
+    with pytest.raises(ValueError, match="step_times"):
+        jobstate.dylu_steps(32, [0.1, 0.0])
+
+
+def test_reset_varying_takes_only_the_marked_fields():
+    outer = co2jax.sparseloco(0.5, k=4, chunk=8)
+    params = {"w": jnp.ones(16)}
+    state = outer.init(params)
+    used = jax.tree.map(lambda x: x + 3, state)
+    reset = jobstate.reset_varying(used, state)
+    assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(reset.residuals))
+    np.testing.assert_array_equal(reset.inner_state.anchor["w"], used.inner_state.anchor["w"])
+
+
+def test_job_checkpoint_round_trip(tmp_path):
+    """A one-job run saved after two rounds and restored into a new trainer: the same state,
+    and the same next round; a checkpoint is never overwritten, a missing one is named."""
+    problem = tb.make_problem(replicas=1, examples=2, dim=16, seed=5)
+    H = tb.REGISTERED_H
+    outer, inner = harness.registered("sparseloco", problem, 0.1, H)
+    mesh = co2jax.make_mesh(replica=1, data=1, devices=jax.devices("cpu")[:1])
+    batch = {k: v[0] for k, v in textbook_batch(problem, H).items()}
+    params = harness.unflatten(jnp.asarray(problem.theta0, jnp.float32))
+
+    def trainer():
+        peers = co2jax.Peers((f"127.0.0.1:{_ports(1)[0]}",), 0)
+        return co2jax.JobTrainer(engine_loss, inner, outer, peers, H, mesh)
+
+    a = trainer()
+    state = a.init(params)
+    for _ in range(2):
+        state, _ = a.round(state, batch)
+    a.save(str(tmp_path / "ckpt"), state)
+    with pytest.raises(ValueError, match="never overwritten"):
+        a.save(str(tmp_path / "ckpt"), state)
+    b = trainer()
+    restored = b.restore(str(tmp_path / "ckpt"), params)
+    assert (restored.round, restored.exchanges) == (2, state.exchanges) == (2, 2)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(state))
+    next_a, _ = a.round(state, batch)
+    next_b, _ = b.round(restored, batch)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(next_b), jax.device_get(next_a))
+    with pytest.raises(ValueError, match="holds no complete job checkpoint"):
+        b.restore(str(tmp_path / "nothing"), params)
+
+
+def test_per_job_steps_are_token_weighted(tmp_path):
+    """One job taking fewer steps weighs its steps: JobTrainer.round(steps=...) checked on a
+    single job against the SPMD engine with per-replica steps (R = 1 reduces to its own)."""
+    problem = tb.make_problem(replicas=1, examples=2, dim=16, seed=5)
+    H = tb.REGISTERED_H
+    outer, inner = harness.registered("diloco", problem, 0.1, H)
+    mesh = co2jax.make_mesh(replica=1, data=1, devices=jax.devices("cpu")[:1])
+    peers = co2jax.Peers((f"127.0.0.1:{_ports(1)[0]}",), 0)
+    job = co2jax.JobTrainer(engine_loss, inner, outer, peers, H, mesh)
+    params = harness.unflatten(jnp.asarray(problem.theta0, jnp.float32))
+    state = job.init(params)
+    batch = textbook_batch(problem, H)
+    state, metrics = job.round(state, {k: v[0] for k, v in batch.items()}, steps=2)
+    assert metrics.steps == 2 and metrics.losses.shape == (2,)
+    spmd = co2jax.RoundTrainer(engine_loss, inner, outer, mesh, H)
+    want, _ = spmd.round(spmd.init(params), batch, steps=[2])
+    np.testing.assert_allclose(state.params["w"], want.params["w"], rtol=1e-6)
+    with pytest.raises(ValueError, match=r"steps must be an integer in 1..H=4"):
+        job.round(state, {k: v[0] for k, v in batch.items()}, steps=5)
+    streaming, _ = harness.registered("streaming_diloco", problem, 0.1, H)
+    peers2 = co2jax.Peers((f"127.0.0.1:{_ports(1)[0]}",), 0)
+    job2 = co2jax.JobTrainer(engine_loss, optax.sgd(0.1), streaming, peers2, H, mesh)
+    with pytest.raises(ValueError, match="sends or applies during the round"):
+        job2.round(job2.init(params), {k: v[0] for k, v in batch.items()}, steps=2)
+
+
+def test_clipped_mean_bounds_a_faulty_replica():
+    from co2jax.comm.participation import clipped_mean
+
+    rng = np.random.default_rng(0)
+    honest = rng.normal(size=(3, 10))
+    faulty = np.concatenate([honest, 1e6 * rng.normal(size=(1, 10))])
+    got = np.asarray(clipped_mean({"g": jnp.asarray(faulty, jnp.float32)})["g"])
+    norms = np.linalg.norm(faulty, axis=1)
+    median = np.sort(norms)[1]  # the lower median of 4
+    want = np.mean(faulty * np.minimum(1, median / norms)[:, None], axis=0)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert np.linalg.norm(got - honest.mean(0)) < median  # not moved arbitrarily
+    w = jnp.array([1.0, 2.0, 0.0, 1.0])  # a weight 0 replica counts in neither the median
+    got = np.asarray(clipped_mean({"g": jnp.asarray(faulty, jnp.float32)}, w)["g"])
+    median = np.sort(norms[[0, 1, 3]])[1]
+    scale = np.asarray(w) * np.minimum(1, median / norms) / 4.0
+    np.testing.assert_allclose(got, scale @ faulty, rtol=1e-5)
+
+
+def test_robust_refuses_contributor_means():
+    problem = tb.make_problem(replicas=1, examples=2, dim=16, seed=5)
+    outer, inner = harness.registered("sparseloco", problem, 0.1, tb.REGISTERED_H)
+    mesh = co2jax.make_mesh(replica=1, data=1, devices=jax.devices("cpu")[:1])
+    peers = co2jax.Peers((f"127.0.0.1:{_ports(1)[0]}",), 0)
+    job = co2jax.JobTrainer(engine_loss, inner, outer, peers, tb.REGISTERED_H, mesh, robust=True)
+    with pytest.raises(ValueError, match="per index over contributors"):
+        job.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
+
+
+def test_robust_jobs_bound_a_faulty_job(tmp_path):
+    """robust=True: rank 2's round-1 payload is about 10^4 times the others'; clipped to
+    the median norm, the anchor's step that round stays the size of an honest one."""
+    jobs = Jobs(tmp_path)
+    for rank in (0, 1):
+        jobs.start(rank, "robust")
+    jobs.start(2, "robust_huge")
+    codes = jobs.wait(time.monotonic() + DEADLINE_S)
+    assert set(codes.values()) == {0}, f"{codes}\n{jobs.logs()}"
+    rounds = jobs.record("robust", 0)["rounds"]
+    theta = [np.asarray(worker.problem().theta0)] + [
+        np.asarray(rounds[str(t)]["params"]) for t in range(3)
+    ]
+    steps = [np.linalg.norm(theta[t + 1] - theta[t]) for t in range(3)]
+    assert steps[1] < 5 * steps[0], steps
+    assert jobs.record("robust_huge", 2)["rounds"]["2"]["params"] == rounds["2"]["params"]
