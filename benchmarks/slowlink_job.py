@@ -20,32 +20,19 @@ import os
 import time
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--peers", required=True, help="host:port of every job, by rank")
-    parser.add_argument("--algorithm", required=True)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--sync-every", type=int, default=16)
-    parser.add_argument("--latency-ms", type=float, default=0.0)
-    parser.add_argument("--timeout-s", type=float, default=300.0)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-    import jax
-    import numpy as np
+def build(peers, algorithm: str, H: int, seed: int = 0):
+    """``(loss_fn, inner, outer, params, streams, H)`` of the cpu-tiny testbed job (``ddp``:
+    H = 1, parameter averaging); ``streams.round_batch(k)[rank]`` is a round's data."""
     import optax
 
-    import co2jax
     from experiments import config as config_lib
     from experiments import data as data_lib
     from experiments import model as model_lib
     from experiments import train
 
-    peers = co2jax.Peers(tuple(args.peers.split(",")), args.rank, args.timeout_s, args.latency_ms)
-    algorithm, H = args.algorithm, args.sync_every
-    overrides = [f"mesh.replica={peers.replicas}", f"train.sync_every={H}"]
+    steps_per_round = H
+    overrides = [f"mesh.replica={peers.replicas}", f"train.sync_every={H}", f"train.seed={seed}"]
+    overrides += [f"data.seed={seed}"]  # another seed: other initial parameters and data
     if algorithm == "ddp":
         overrides += ["outer.algorithm=diloco", "outer.learning_rate=1.0", "outer.momentum=0.0"]
         overrides += ["train.sync_every=1"]
@@ -56,9 +43,7 @@ def main(argv=None) -> None:
         overrides += ["outer.learning_rate=1.0", "outer.momentum=0.0"]
     cfg = config_lib.override(config_lib.preset("cpu-tiny"), overrides)
     streams = data_lib.make_streams(
-        dataclasses.asdict(cfg.data),
-        replicas=peers.replicas,
-        steps_per_round=cfg.train.sync_every if algorithm != "ddp" else args.sync_every,
+        dataclasses.asdict(cfg.data), replicas=peers.replicas, steps_per_round=steps_per_round
     )
     mcfg = model_lib.preset(
         cfg.model.preset,
@@ -76,6 +61,29 @@ def main(argv=None) -> None:
     # a job has no replica axis: algorithms that need R (eager updates) are given it
     schedule = lambda t: cfg.inner.learning_rate
     outer = train.build_outer(cfg.outer, H, schedule, params, num_replicas=peers.replicas)
+    return loss_fn, inner, outer, params, streams, H
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--peers", required=True, help="host:port of every job, by rank")
+    parser.add_argument("--algorithm", required=True)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--sync-every", type=int, default=16)
+    parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    import jax
+    import numpy as np
+
+    import co2jax
+
+    peers = co2jax.Peers(tuple(args.peers.split(",")), args.rank, args.timeout_s, args.latency_ms)
+    loss_fn, inner, outer, params, streams, H = build(peers, args.algorithm, args.sync_every)
     trainer = co2jax.JobTrainer(loss_fn, inner, outer, peers, H)
     state = trainer.init(params)
     rows = []
@@ -102,7 +110,7 @@ def main(argv=None) -> None:
     with open(args.out, "w") as f:
         json.dump(
             {
-                "algorithm": algorithm,
+                "algorithm": args.algorithm,
                 "rank": args.rank,
                 "replicas": peers.replicas,
                 "sync_every": args.sync_every,

@@ -13,6 +13,8 @@ left out and why, admissions. Modes:
 - ``nan``: its batch of round POISON_AT is NaN (a non-finite payload);
 - ``malformed``: its payload header of round POISON_AT is corrupted;
 - ``steady``: POISON_AT + 2 rounds, no fault;
+- ``carry``, ``carry_late``: ``steady`` with ``late="carry"``; ``carry_late`` starts its
+  round POISON_AT late, so that its payload misses the grace window;
 - ``robust``, ``robust_huge``: ``steady`` with ``robust=True``; ``robust_huge``'s round
   POISON_AT has targets 10^4 times too large (a faulty replica);
 - ``drift``: as ``steady`` but rank 1 starts from other parameters; records the DriftError;
@@ -102,8 +104,9 @@ def main(rank: str, addresses: str, out: str, mode: str) -> None:
     )
     outer, inner = harness.registered("diloco", prob, LR, H)
     robust = mode.startswith("robust")
+    late = "carry" if mode.startswith("carry") else "drop"
     trainer = co2jax.JobTrainer(
-        engine_loss, inner, outer, peers, H, mesh, drift_every=1, robust=robust
+        engine_loss, inner, outer, peers, H, mesh, drift_every=1, robust=robust, late=late
     )
     theta0 = jnp.asarray(prob.theta0, jnp.float32)
     if mode == "drift" and rank == 1:
@@ -118,6 +121,10 @@ def main(rank: str, addresses: str, out: str, mode: str) -> None:
     while state.round < stop:
         if mode == "survive":
             time.sleep(ROUND_SLEEP_S)
+        if mode.startswith("carry"):  # rounds slower than the lag below
+            time.sleep(2 * ROUND_SLEEP_S)
+        if mode == "carry_late" and state.round == POISON_AT:
+            time.sleep(2 * GRACE_S)  # misses this round's grace window, not the next
         b = batch
         if mode == "nan" and state.round == POISON_AT:
             b = {**batch, "d": batch["d"] * jnp.nan}
@@ -143,6 +150,7 @@ def main(rank: str, addresses: str, out: str, mode: str) -> None:
             "participants": [list(p) for p in metrics.participants],
             "left_out": [{str(k): v for k, v in d.items()} for d in metrics.left_out],
             "admitted": list(metrics.admitted),
+            "carried": [list(c) for c in metrics.carried],
             "time": time.time(),
         }
         if mode == "survive" and metrics.admitted:

@@ -55,7 +55,7 @@ def main(rank: str, addresses: str, out_dir: str, mode: str = "run") -> None:
     import co2jax
 
     rank = int(rank)
-    timeout = 10.0 if mode == "wait" else 120.0
+    timeout = 4.0 if mode == "wait" else 120.0
     H = tb.REGISTERED_H
     prob = problem()
     batch = {k: v[rank] for k, v in textbook_batch(prob, H).items()}

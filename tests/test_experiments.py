@@ -82,7 +82,29 @@ def test_bad_configs_fail_before_compiling(overrides, match, tmp_path):
         train.build(cfg)
 
 
-@pytest.mark.parametrize("algorithm", config_lib.ALGORITHMS)
+# The default suite drives one algorithm of each kind the driver treats apart (synchronous,
+# delayed, eager, fragments, compressed with error feedback, gossip, every-step, per-step
+# inner transform); the rest run with -m slow (each is checked in every engine by
+# test_matrix.py either way).
+_DRIVER_KINDS = {
+    "diloco",
+    "co2",
+    "eager_diloco",
+    "streaming_diloco",
+    "sparseloco",
+    "noloco",
+    "ddp",
+    "demo",
+}
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        a if a in _DRIVER_KINDS else pytest.param(a, marks=pytest.mark.slow)
+        for a in config_lib.ALGORITHMS
+    ],
+)
 def test_every_algorithm_runs_two_rounds(algorithm, tmp_path):
     momentum = "0.0" if algorithm in ("co2", "delayed_diloco", "eager_diloco") else "0.9"
     fragments = registry.REGISTRY[algorithm].capabilities.fragments

@@ -359,3 +359,27 @@ def test_robust_jobs_bound_a_faulty_job(tmp_path):
     steps = [np.linalg.norm(theta[t + 1] - theta[t]) for t in range(3)]
     assert steps[1] < 5 * steps[0], steps
     assert jobs.record("robust_huge", 2)["rounds"]["2"]["params"] == rounds["2"]["params"]
+
+
+def test_a_late_payload_is_carried_into_the_next_exchange(tmp_path):
+    """late="carry": rank 2 misses round 1's grace window; its payload, which arrives during
+    round 2, is merged into the next exchange (weight 1/sqrt(2)) instead of being lost,
+    and every job merges it alike (bit-identical anchors)."""
+    jobs = Jobs(tmp_path)
+    for rank in (0, 1):
+        jobs.start(rank, "carry")
+    jobs.start(2, "carry_late")
+    codes = jobs.wait(time.monotonic() + DEADLINE_S)
+    assert set(codes.values()) == {0}, f"{codes}\n{jobs.logs()}"
+    records = [jobs.record("carry", 0), jobs.record("carry", 1), jobs.record("carry_late", 2)]
+    rounds = records[0]["rounds"]
+    assert rounds[str(worker.POISON_AT)]["participants"] == [[0, 1]]
+    carried = [t for t, v in rounds.items() if v["carried"] == [[2]]]
+    assert carried and int(carried[0]) > worker.POISON_AT, rounds
+    for t in rounds:
+        assert (
+            records[1]["rounds"][t]["params"]
+            == records[2]["rounds"][t]["params"]
+            == (rounds[t]["params"])
+        )
+        assert records[2]["rounds"][t]["carried"] == rounds[t]["carried"]

@@ -139,7 +139,7 @@ def test_missing_peer_fails_with_a_clear_error(tmp_path):
     codes = launch(tmp_path, {0: "wait"})
     assert codes == {0: 0}, _logs(tmp_path)
     error = (tmp_path / "error_0.txt").read_text()
-    assert "round 0" in error and "1 (127.0.0.1:" in error and "timeout_s=10.0" in error, error
+    assert "round 0" in error and "1 (127.0.0.1:" in error and "timeout_s=4.0" in error, error
     problem = worker.problem()
     kept = np.load(tmp_path / "kept_0.npy")
     np.testing.assert_array_equal(kept, problem.theta0.astype(np.float32))

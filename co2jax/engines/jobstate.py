@@ -135,16 +135,62 @@ def restore(directory: str, target: Any) -> tuple[Any, dict]:
     return state, metadata
 
 
-def dylu_steps(steps: int, step_times, min_steps: int = 5) -> list[int]:
+def check_options(outer, peers, transfers, H: int, drift_every, dylu, late) -> None:
+    """A :class:`co2jax.JobTrainer`'s options checked against its algorithm and peers."""
+    if peers.tolerant and outer.replica_local:
+        raise ValueError(
+            f"quorum={peers.quorum} < R: a job left out of an exchange must continue from "
+            "the same anchor as the others, and this outer optimizer keeps replica-local "
+            "anchors (outer.replica_local); use quorum=None"
+        )
+    if isinstance(drift_every, bool) or not isinstance(drift_every, int) or drift_every < 0:
+        raise ValueError(f"drift_every must be an integer >= 0, got {drift_every!r}")
+    if drift_every and outer.replica_local:
+        raise ValueError("drift_every: replica-local anchors differ by design: nothing to compare")
+    if dylu and any(t.send not in (0, H) or t.apply != H for t in transfers):
+        raise ValueError("dylu=True needs every transfer sent at step 0 or H and applied at H")
+    if late not in ("drop", "carry"):
+        raise ValueError(f"late must be 'drop' or 'carry', got late={late!r}")
+    if late == "carry" and not peers.tolerant:
+        raise ValueError("late='carry' needs Peers(quorum=...) below R (nothing is late)")
+
+
+def check_steps(transfers, H: int, n, weight) -> tuple[int, float]:
+    """A job's steps this round (1..H; below H only for a schedule sent at step 0 or H and
+    applied at H) and its weight (default: its steps), checked before any compute."""
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or not 1 <= n <= H:
+        raise ValueError(f"steps must be an integer in 1..H={H}, got steps={n!r}")
+    if n != H and any(t.send not in (0, H) or t.apply != H for t in transfers):
+        raise ValueError(
+            f"steps={n} < H: this schedule sends or applies during the round; per-round step "
+            "counts need every transfer sent at step 0 or H and applied at H"
+        )
+    weight = float(n) if weight is None else weight
+    if not (isinstance(weight, int | float) and math.isfinite(weight) and weight >= 0):
+        raise ValueError(f"weight must be a finite number >= 0, got weight={weight!r}")
+    return int(n), float(weight)
+
+
+def dylu_steps(steps: int, step_times, min_steps: int = 5, grid: int = 1) -> list[int]:
     """DyLU's inner steps per replica: ``max(floor(H * t_fast / t_w), min_steps)``, at most
     H, from each replica's measured time per inner step ``t_w`` (``t_fast`` the smallest).
+    With ``grid > 1`` the count is rounded to the nearest multiple of ``grid`` instead of
+    down (a job's programs are compiled per step count: a few counts, each compiled once,
+    and two equally fast jobs are not told apart by timing noise).
 
     Example:
       >>> dylu_steps(32, [0.1, 0.2, 0.1])
       [32, 16, 32]
+      >>> dylu_steps(64, [0.1, 0.105, 0.21], grid=8)
+      [64, 64, 32]
     """
     times = np.asarray(step_times, np.float64)
     if times.ndim != 1 or not np.all(np.isfinite(times)) or np.any(times <= 0):
         raise ValueError(f"step_times must be positive seconds, got {times.tolist()}")
     fast = float(times.min())
-    return [int(min(steps, max(math.floor(steps * fast / t + 1e-9), min_steps))) for t in times]
+    out = []
+    for t in times:
+        raw = steps * fast / t
+        n = math.floor(raw + 1e-9) if grid == 1 else grid * round(raw / grid)
+        out.append(int(min(steps, max(n, min_steps))))
+    return out

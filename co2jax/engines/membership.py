@@ -18,7 +18,9 @@ finite. Every job must combine the same payloads, or the anchors part, so one jo
   is looked for by every other job (a pull of its greeting). The coordinator admits a
   greeted job in the decision of a round's last exchange and, after that round, sends it
   its whole state (:meth:`co2jax.JobTrainer.rejoin`). The admitted job takes part from the
-  next exchange on.
+  next exchange on, which waits for it (at most ``timeout_s``): it starts late by the
+  hand-over and its compilation, and a job later than the grace window at every exchange
+  would never catch up.
 
 Not handled: a partition between live jobs that both reach a quorum. The candidates'
 order makes two deciders unlikely, not impossible. Neither is a payload offered to a peer
@@ -47,11 +49,13 @@ PROBES, PROBE_RETRY_S = 4, 2.0
 
 class Decision(NamedTuple):
     """An exchange's outcome: ``participants`` (ranks, sorted), ``admitted`` (ranks that
-    join from the next exchange) and ``left_out`` (rank -> why)."""
+    join from the next exchange), ``left_out`` (rank -> why) and ``carried`` (ranks whose
+    late payload of the previous exchange in this slot is merged here)."""
 
     participants: tuple[int, ...]
     admitted: tuple[int, ...]
     left_out: dict
+    carried: tuple[int, ...] = ()
 
 
 def greet(exchange: Exchange) -> int:
@@ -75,6 +79,7 @@ class Membership:
         self._greeted: dict[int, int] = {}  # rank -> nonce
         self._probes: dict[int, list] = {}  # rank -> [(thread, started)]
         self.decided_last = False  # this job decided the last exchange
+        self._awaited: set[int] = set()  # admitted ranks the next exchange waits for
 
     # greetings ------------------------------------------------------------------------
 
@@ -111,7 +116,7 @@ class Membership:
 
         def pull() -> None:
             try:
-                like = [np.zeros(self.peers.replicas, np.int32)]
+                like = [np.zeros(2 * self.peers.replicas, np.int32)]
                 key_step = step * self.peers.replicas + attempt
                 out.append(np.asarray(self.exchange.pull("decision", key_step, source, like)[0]))
             except Exception:
@@ -122,26 +127,37 @@ class Membership:
         thread.join(self.peers.timeout_s)
         return out[0] if out else None
 
-    def decide(self, pending: Pending, round_end: bool) -> Decision:
+    def decide(self, pending: Pending, round_end: bool, late: tuple | None = None) -> Decision:
         """The set of ``pending``'s exchange, the same on every job (see the module
         docstring); raises :class:`PeerError` when fewer than the quorum took part or this
-        job cannot get the decision or a payload it names."""
+        job cannot get the decision or a payload it names. ``late``: ``(previous pending,
+        ranks left out of it)`` of this slot, whose payloads that have arrived since are
+        carried into this exchange."""
         me, R, quorum = self.peers.rank, self.peers.replicas, self.peers.quorum
         self._probe()
         # the run's first exchange waits for everyone (at most timeout_s): jobs start and
         # compile at different times, and a grace window is for the rounds after
         self.exchange.wait(pending, quorum if pending.step > 0 else None)
+        # a job admitted at the last round's end starts late by the hand-over and its
+        # compilation: waited for once (at most timeout_s), or it would stay behind for good
+        awaited, self._awaited = self._awaited, set()
+        if awaited:
+            self.exchange.wait(pending, until=tuple(sorted(awaited)))
         mask, self.decided_last = None, False
         for attempt, candidate in enumerate(sorted(self.previous)):
             if candidate == me:
-                mask = np.full(R, OUT, np.int32)
+                mask = np.full(2 * R, OUT, np.int32)
                 mask[sorted(pending.got)] = IN
+                if late is not None:
+                    with late[0].cond:
+                        arrived = [r for r in late[1] if r in late[0].got]
+                    mask[[R + r for r in arrived]] = IN
                 if round_end:
                     for rank in set(self._greeted) - set(pending.got):
                         mask[rank] = ADMITTED
-                if int(np.sum(mask == IN)) < quorum:
+                if int(np.sum(mask[:R] == IN)) < quorum:
                     raise PeerError(
-                        f"replica {me}: {pending.label}: only {int(np.sum(mask == IN))} of "
+                        f"replica {me}: {pending.label}: only {int(np.sum(mask[:R] == IN))} of "
                         f"quorum={quorum} replicas took part; "
                         f"{self.exchange.missing(pending, range(R))}"
                     )
@@ -153,10 +169,14 @@ class Membership:
                 break
         if mask is None:
             raise PeerError(f"replica {me}: {pending.label}: no coordinator's decision arrived")
-        participants = tuple(int(r) for r in np.flatnonzero(mask == IN))
-        admitted = tuple(int(r) for r in np.flatnonzero(mask == ADMITTED))
+        participants = tuple(int(r) for r in np.flatnonzero(mask[:R] == IN))
+        admitted = tuple(int(r) for r in np.flatnonzero(mask[:R] == ADMITTED))
+        carried = tuple(int(r) for r in np.flatnonzero(mask[R:] == IN))
         self.exchange.wait(pending, until=participants)
         lacking = [r for r in participants if r not in pending.got]
+        if carried:
+            self.exchange.wait(late[0], until=carried)
+            lacking += [f"{r} (late)" for r in carried if r not in late[0].got]
         if lacking:
             raise PeerError(
                 f"replica {me}: {pending.label}: the coordinator counted peers {lacking}, whose "
@@ -166,11 +186,12 @@ class Membership:
         left = {r: why for r, why in left.items() if r not in participants}
         self._record(pending.label, participants, admitted, left)
         self.previous = tuple(sorted({*participants, *admitted}))
+        self._awaited = set(admitted)
         self.participants = participants
         for r in (*admitted, *participants):
             if r not in admitted:
                 self._greeted.pop(r, None)
-        return Decision(participants, admitted, left)
+        return Decision(participants, admitted, left, carried)
 
     def nonce(self, rank: int) -> int:
         """The nonce of ``rank``'s greeting (it keys the state handed to it), once."""

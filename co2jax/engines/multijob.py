@@ -60,13 +60,17 @@ from co2jax.mesh import make_mesh
 from co2jax.protocol import OuterOptimizer, plan, resolve
 from co2jax.tree import fingerprint
 
+STALE_WEIGHT = 2**-0.5
+"""A carried payload's weight factor: ``1 / sqrt(1 + staleness)`` at staleness 1."""
+
 
 class JobMetrics(NamedTuple):
     """``losses`` [steps]; ``compute_s`` (the inner steps), ``wait_s`` (waiting for
     exchanges once the steps before an apply were done), ``round_s`` (the whole round),
     ``bytes_sent`` (this round, to all peers), ``steps`` (inner steps taken), and per
     exchange of the round ``participants`` (the ranks combined) and ``left_out`` (rank ->
-    why); ``admitted``: ranks admitted at the round's end."""
+    why); ``admitted``: ranks admitted at the round's end; ``carried``: per exchange, the
+    ranks whose late payload of the previous round was merged into it (``late="carry"``)."""
 
     losses: np.ndarray
     compute_s: float
@@ -77,6 +81,7 @@ class JobMetrics(NamedTuple):
     participants: tuple = ()
     left_out: tuple = ()
     admitted: tuple = ()
+    carried: tuple = ()
 
 
 class JobTrainer:
@@ -96,9 +101,17 @@ class JobTrainer:
       drift_every: every this many rounds, the jobs compare fingerprints of their anchors
         (:mod:`co2jax.engines.drift`); a mismatch raises :class:`~co2jax.DriftError` (its
         ``state`` attribute holds the round's result). 0: never. Equal on every job.
-      dylu: each round, the jobs share their time per inner step and each takes DyLU's step
-        count (:func:`co2jax.engines.jobstate.dylu_steps`) in the next. Equal on every job.
+      dylu: each round, the jobs share their time per inner step (the least of their last 3
+        rounds', so a round that compiled does not count) and each takes DyLU's step count
+        (:func:`co2jax.engines.jobstate.dylu_steps`, to the nearest multiple of H/8) in the
+        next, changed only when it moves by more than 10% (each count compiles its program
+        once). Equal on every job.
       min_steps: DyLU's floor.
+      late: what becomes of a payload that misses its exchange's grace window (with a
+        quorum): ``"drop"`` (lost), or ``"carry"``: merged into the same exchange of the next
+        round if it has arrived by then, its weight times ``1/sqrt(2)`` (the staleness
+        weight ``1/sqrt(1 + s)`` of asynchronous Local-SGD, at staleness s = 1). Every job
+        merges the same ones (the coordinator's decision names them).
       robust: combine the participants' decoded payloads with
         :func:`co2jax.comm.participation.clipped_mean` (each scaled down to the median norm)
         instead of the reducer's mean, so one faulty job cannot move the anchor arbitrarily.
@@ -120,6 +133,7 @@ class JobTrainer:
         dylu: bool = False,
         min_steps: int = 5,
         robust: bool = False,
+        late: str = "drop",
     ):
         if not isinstance(outer, OuterOptimizer):
             raise ValueError(f"outer must be a co2jax.OuterOptimizer, got outer={outer!r}")
@@ -138,22 +152,7 @@ class JobTrainer:
                     else ""
                 )
             )
-        if peers.tolerant and outer.replica_local:
-            raise ValueError(
-                f"quorum={peers.quorum} < R: a job left out of an exchange must continue from "
-                "the same anchor as the others, and this outer optimizer keeps replica-local "
-                "anchors (outer.replica_local); use quorum=None"
-            )
-        if isinstance(drift_every, bool) or not isinstance(drift_every, int) or drift_every < 0:
-            raise ValueError(f"drift_every must be an integer >= 0, got {drift_every!r}")
-        if drift_every and outer.replica_local:
-            raise ValueError(
-                "drift_every: replica-local anchors differ by design: nothing to compare"
-            )
-        if dylu and any(
-            t.send not in (0, sync_every) or t.apply != sync_every for t in self.transfers
-        ):
-            raise ValueError("dylu=True needs every transfer sent at step 0 or H and applied at H")
+        jobstate.check_options(outer, peers, self.transfers, sync_every, drift_every, dylu, late)
         mesh = mesh if mesh is not None else make_mesh(replica=1, data=-1)
         if mesh.shape.get(REPLICA) != 1:
             raise ValueError(
@@ -168,6 +167,7 @@ class JobTrainer:
         )
         self.drift_every, self.dylu, self.min_steps = drift_every, bool(dylu), min_steps
         self.robust = bool(robust)
+        self.late, self._carry = late, {}
         self.actions = plan(self.transfers)
         self._local: dict[int, RoundTrainer] = {}
         self.exchange = Exchange(peers, mesh.devices.flat[0])
@@ -187,7 +187,7 @@ class JobTrainer:
         self._fingerprint = jax.jit(lambda s: fingerprint(invariant_part(s)))
         self._idle = None  # the local engines' (outer state, round): fixed, never read
         self._exchanges = 0
-        self._next_steps = sync_every
+        self._next_steps, self._times = sync_every, []
 
     def _trainer(self, steps: int) -> RoundTrainer:
         """The local engine for ``steps`` inner steps (no sync: the replica-1 mesh runs just
@@ -267,10 +267,17 @@ class JobTrainer:
     def _finish(self, started, round_end: bool, record: dict) -> Any:
         pending, treedef = started
         R = self.peers.replicas
+        stale: list = []
         if self.peers.tolerant:
-            decision = self.membership.decide(pending, round_end)
+            slot = len(record["participants"])  # this exchange's place in the round
+            late = self._carry.pop(slot, None) if self.late == "carry" else None
+            decision = self.membership.decide(pending, round_end, late)
             ranks = decision.participants
             record["admitted"] = decision.admitted or record.get("admitted", ())
+            record["carried"].append(decision.carried)
+            stale = [late[0].got[r] for r in decision.carried]
+            if self.late == "carry":
+                self._carry[slot] = (pending, tuple(r for r in range(R) if r not in ranks))
         else:
             self.exchange.finish(pending)  # every peer's, checked, or PeerError
             ranks = tuple(range(R))
@@ -278,8 +285,9 @@ class JobTrainer:
         record["left_out"].append(
             {r: pending.failed.get(r, "late") for r in range(R) if r not in ranks}
         )
-        payloads = [pending.got[r] for r in ranks]
+        payloads = [pending.got[r] for r in ranks] + stale
         weights = np.asarray([float(np.asarray(p[1])[0]) for p in payloads], np.float32)
+        weights[len(ranks) :] *= STALE_WEIGHT
         if not weights.sum() > 0:
             raise PeerError(f"replica {self.peers.rank}: {pending.label}: every weight is 0")
         stacked = [jnp.stack(col) for col in zip(*[p[2:] for p in payloads], strict=True)]
@@ -291,7 +299,7 @@ class JobTrainer:
                     f"{self.outer.reducer.name!r} averages per index over contributors"
                 )
             return self._clipped(encoded, jax.device_put(weights, self._replicated))
-        if len(ranks) == R and np.all(weights == weights[0]):
+        if len(payloads) == R and np.all(weights == weights[0]):
             return self._combine(encoded)
         return self._weighted(encoded, jax.device_put(weights, self._replicated))
 
@@ -310,34 +318,22 @@ class JobTrainer:
 
     def _steps(self, steps, weight) -> tuple[int, float]:
         n = self._next_steps if steps is None else steps
-        if (
-            isinstance(n, bool)
-            or not isinstance(n, int | np.integer)
-            or not 1 <= n <= self.sync_every
-        ):
-            raise ValueError(
-                f"steps must be an integer in 1..H={self.sync_every}, got steps={steps!r}"
-            )
-        if n != self.sync_every and any(
-            t.send not in (0, self.sync_every) or t.apply != self.sync_every for t in self.transfers
-        ):
-            raise ValueError(
-                f"steps={n} < H: this schedule sends or applies during the round; per-round "
-                "step counts need every transfer sent at step 0 or H and applied at H"
-            )
-        weight = float(n) if weight is None else weight
-        if not (isinstance(weight, int | float) and np.isfinite(weight) and weight >= 0):
-            raise ValueError(f"weight must be a finite number >= 0, got weight={weight!r}")
-        return int(n), float(weight)
+        return jobstate.check_steps(self.transfers, self.sync_every, n, weight)
 
     def round(
-        self, state: JobState, batch: Any, steps: int | None = None, weight: float | None = None
+        self,
+        state: JobState,
+        batch: Any,
+        steps: int | None = None,
+        weight: float | None = None,
+        step_time: float | None = None,
     ) -> tuple[JobState, JobMetrics]:
         """``steps`` inner steps (default H, or DyLU's count) on ``batch`` ([H, B, ...]:
         this job's data; its first ``steps`` entries are used) and the schedule's exchanges,
         this job's payloads weighing ``weight`` (default: ``steps``, its tokens at its batch
-        size). Raises :class:`~co2jax.engines.exchange.PeerError` (state unchanged) when a
-        peer's payload does not arrive in time (without a quorum) or fewer than the quorum
+        size); ``step_time``: the time per inner step it shares for DyLU (default: this
+        round's). Raises :class:`~co2jax.engines.exchange.PeerError` (state unchanged) when
+        a peer's payload does not arrive in time (without a quorum) or fewer than the quorum
         take part."""
         n, weight = self._steps(steps, weight)
         began = time.perf_counter()
@@ -353,7 +349,7 @@ class JobTrainer:
         )
         local = TrainState(state.params, state.inner_state, *self._idle)
         outer_state, store, losses = state.outer_state, {}, []
-        record = {"participants": [], "left_out": [], "admitted": ()}
+        record = {"participants": [], "left_out": [], "admitted": (), "carried": []}
         compute = wait = 0.0
         for start, stop in zip(cuts, [*cuts[1:], None], strict=True):
             for k, a in ((k, a) for k, a in enumerate(self.actions) if at(a) == start):
@@ -399,11 +395,15 @@ class JobTrainer:
         new = JobState(params, local.inner_state, outer_state, state.round + 1, 0, members)
         if self.dylu:
             label = f"round {state.round}, step times"
-            times = self._side(np.asarray([compute / n], np.float32), label)
-            mine = sorted(times).index(self.peers.rank)
-            self._next_steps = jobstate.dylu_steps(
-                self.sync_every, [times[r] for r in sorted(times)], self.min_steps
-            )[mine]
+            # the least of the last 3 rounds' times: a round that compiled is not the pace
+            self._times = [*self._times[-2:], compute / n if step_time is None else step_time]
+            times = self._side(np.asarray([min(self._times)], np.float32), label)
+            grid = max(self.sync_every // 8, 1)
+            proposed = jobstate.dylu_steps(
+                self.sync_every, [times[r] for r in sorted(times)], self.min_steps, grid
+            )[sorted(times).index(self.peers.rank)]
+            if abs(proposed - self._next_steps) > 0.1 * self._next_steps:  # no jitter
+                self._next_steps = proposed
         if self.drift_every and new.round % self.drift_every == 0:
             digest = np.asarray([int(self._fingerprint(outer_state))], np.uint32)
             prints = {
@@ -429,6 +429,7 @@ class JobTrainer:
             tuple(record["participants"]),
             tuple(record["left_out"]),
             tuple(record["admitted"]),
+            tuple(record["carried"]),
         )
 
     # rejoin and checkpoints (co2jax.engines.rejoin)
