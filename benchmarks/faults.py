@@ -9,6 +9,8 @@ Runs R replica jobs (``benchmarks/faults_job.py``: the cpu-tiny transformer unde
 - ``kill``: every ``--kill-every`` rounds (of rank 0) one replica (ranks 1..R-1 in turn) is
   killed with SIGKILL and started again at once; quorum R-1, and the restarted job comes
   back through :meth:`JobTrainer.rejoin`. The others never stop;
+- ``kill_carry``: ``kill`` with ``late="carry"``: a payload that misses its exchange's grace
+  window (a just-rejoined job running behind) is merged into the next one;
 - ``kill_strict``: the same kills against synchronous DiLoCo without these features: the
   others fail at their next exchange, and every job restarts from the newest checkpoint
   they all have (one per round, the baseline's best case);
@@ -40,7 +42,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SCENARIOS = ("free", "free_seed1", "kill", "kill_strict", "slow_sync", "slow_dylu")
+SCENARIOS = (
+    "free", "free_seed1", "kill", "kill_carry", "kill_strict", "slow_sync", "slow_dylu"
+)  # fmt: skip
 WARMUP = 3
 
 
@@ -81,7 +85,9 @@ class Run:
         cmd += ["--peers", self.peers, "--mode", mode.get(self.name, "tolerant")]
         cmd += ["--rounds", str(a.rounds), "--sync-every", str(a.sync_every)]
         cmd += ["--seed", "1" if self.name == "free_seed1" else "0"]
-        cmd += ["--progress", str(self.progress(rank)), *extra]
+        cmd += ["--progress", str(self.progress(rank)), "--timeout-s", str(a.timeout_s), *extra]
+        if self.name == "kill_carry":
+            cmd += ["--late", "carry"]
         if self.name.startswith("slow") and rank == a.replicas - 1:
             cmd += ["--slow", str(a.slow)]
         if self.name == "kill_strict":
@@ -108,13 +114,14 @@ class Run:
 
     def _due(self, at: int) -> bool:
         """Rank 0 has done ``at`` rounds, and ``--kill-every`` since the last kill, and (with
-        a quorum of R - 1: one down at a time) a round with every replica since then."""
+        a quorum of R - 1: one down at a time) two rounds in a row with every replica since."""
         rows = _rows(self.progress(0))
         if len(rows) < max(at, self.killed_at + self.args.kill_every):
             return False
         every = [list(range(self.args.replicas))]
-        since = rows[self.killed_at :]
-        return self.name == "kill_strict" or any(r["participants"] == every for r in since)
+        since = [r["participants"] == every for r in rows[self.killed_at :]]
+        # two full rounds in a row: the last victim has caught up (its first rounds compile)
+        return self.name == "kill_strict" or any(a and b for a, b in itertools.pairwise(since))
 
     def execute(self) -> None:
         a, R = self.args, self.args.replicas
@@ -129,7 +136,7 @@ class Run:
                 if all(p.returncode == 0 for p in self.procs.values()):
                     return
                 # a job restarted too near the end finds no one left to admit it
-                if self.name == "kill" and self.procs[0].returncode == 0:
+                if self.name in ("kill", "kill_carry") and self.procs[0].returncode == 0:
                     self.late_rejoins = sum(p.returncode != 0 for p in self.procs.values())
                     return
                 if self.name != "kill_strict":
@@ -141,7 +148,7 @@ class Run:
                 self.killed_at = self.done()
                 victim = victim % (R - 1) + 1
                 self.kill(victim)
-                if self.name == "kill":
+                if self.name != "kill_strict":
                     self.start(victim, "--rejoin")
                 else:  # the others fail at their next exchange; then all restart
                     for rank in range(R):
@@ -154,12 +161,18 @@ class Run:
     def _restart_all(self) -> None:
         """The baseline's global restart from the newest round every job saved."""
         self.close()
-        saved = [
-            {int(p.name.split("_")[1]) for p in (self.out / "ckpt").glob(f"round_*_{r}")}
+        saved = [  # complete checkpoints only: a job killed while saving leaves a partial one
+            {
+                int(p.name.split("_")[1])
+                for p in (self.out / "ckpt").glob(f"round_*_{r}")
+                if (p / "job.json").exists()
+            }
             for r in range(self.args.replicas)
         ]
         common = set.intersection(*saved) if all(saved) else set()
         self.restarts += 1
+        if self.restarts > 3 * self.args.rounds:
+            raise RuntimeError(f"{self.name}: restarts keep failing; see {self.out}/job_*.log")
         extra = ("--restore-round", str(max(common))) if common else ()
         for rank in range(self.args.replicas):
             self.start(rank, *extra)
@@ -178,6 +191,9 @@ class Run:
         for t, row in zip(rounds, head, strict=True):
             part = row["participants"][0] if row["participants"] else list(range(R))
             useful += sum(last[(r, t)]["steps"] * tps for r in part if (r, t) in last)
+            for r in row["carried"][0] if row.get("carried") else []:  # merged a round late
+                useful += last[(r, t - 1)]["steps"] * tps if (r, t - 1) in last else 0
+                lost -= 1
             lost += R - len(part)
         lost += sum(len(rows) for rows in logs.values()) - len(last)  # redone rounds
         # from the end of the first (compiling) round of the first run to the end
@@ -211,6 +227,7 @@ def main(argv=None) -> None:
     parser.add_argument("--kill-every", type=int, default=5)
     parser.add_argument("--slow", type=float, default=2.0)
     parser.add_argument("--deadline-s", type=float, default=900.0)
+    parser.add_argument("--timeout-s", type=float, default=15.0, help="the jobs' timeout_s")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--out", default="results/faults")
     args = parser.parse_args(argv)

@@ -7,7 +7,9 @@ Trains the cpu-tiny transformer under :class:`co2jax.JobTrainer` (DiLoCo, the te
 model and data, this replica's stream) and appends one JSON line per round to
 ``--progress``: its wall-clock start and end, steps, participants, loss. Modes:
 
-- ``tolerant``: ``Peers(quorum=R-1)``; ``--rejoin`` starts by :meth:`JobTrainer.rejoin`;
+- ``tolerant``: ``Peers(quorum=R-1)``; ``--rejoin`` starts by :meth:`JobTrainer.rejoin`,
+  and a round that fails with :class:`co2jax.PeerError` (this job out of step) is followed
+  by a rejoin too;
 - ``strict``: every replica in every exchange (a dead peer fails the round); a checkpoint
   after every round (``--ckpt``), and ``--restore-round N`` starts from round N's: the
   baseline's global restart;
@@ -41,6 +43,7 @@ def main(argv=None) -> None:
     parser.add_argument("--grace-s", type=float, default=0.5)
     parser.add_argument("--timeout-s", type=float, default=60.0)
     parser.add_argument("--rejoin", action="store_true")
+    parser.add_argument("--late", choices=("drop", "carry"), default="drop")
     parser.add_argument("--ckpt", default=None, help="strict: a checkpoint folder per round")
     parser.add_argument("--restore-round", type=int, default=None, help="strict: restart here")
     parser.add_argument("--progress", required=True)
@@ -59,8 +62,9 @@ def main(argv=None) -> None:
         addresses, args.rank, args.timeout_s, quorum=quorum, grace_s=args.grace_s, secret=SECRET
     )
     loss_fn, inner, outer, params, streams, H = build(peers, "diloco", args.sync_every, args.seed)
+    late = args.late if args.mode == "tolerant" else "drop"
     trainer = co2jax.JobTrainer(
-        loss_fn, inner, outer, peers, H, dylu=args.mode == "dylu", min_steps=2
+        loss_fn, inner, outer, peers, H, dylu=args.mode == "dylu", min_steps=2, late=late
     )
     ckpt = Path(args.ckpt) if args.ckpt else None
     if args.rejoin:
@@ -75,7 +79,16 @@ def main(argv=None) -> None:
         k = int(state.round)
         began = time.time()
         batch = streams.round_batch(k)[args.rank]
-        state, m = trainer.round(state, batch, step_time=step_time)
+        try:
+            state, m = trainer.round(state, batch, step_time=step_time)
+        except co2jax.PeerError as e:
+            if args.mode != "tolerant":
+                raise
+            # out of step with the others (a payload it needed died with its sender): back
+            # in through a live peer, as a restarted job
+            print(f"replica {args.rank}: {e}; rejoining", flush=True)
+            state = trainer.rejoin(params)
+            continue
         if args.slow > 1:  # slower hardware: the steps take F times as long
             time.sleep((args.slow - 1) * m.compute_s)
         step_time = args.slow * m.compute_s / m.steps
@@ -88,6 +101,7 @@ def main(argv=None) -> None:
             "steps": m.steps,
             "compute_s": m.compute_s,
             "participants": [list(p) for p in m.participants],
+            "carried": [list(c) for c in m.carried],
             "loss": float(np.mean(m.losses)),
             "tokens_per_step": int(np.prod(batch.shape[1:])),
         }
