@@ -9,6 +9,7 @@ left out and why, admissions. Modes:
 - ``survive``: rounds until 3 rounds after one where a job was admitted (at most
   MAX_ROUNDS), ``ROUND_SLEEP_S`` apart so that a restarted job has time to come back;
 - ``die``: exits abruptly (``os._exit``) before its round DIE_AT;
+- ``outlive``: DIE_AT + 3 rounds, no fault of its own;
 - ``rejoin``: :meth:`JobTrainer.rejoin`, then 3 rounds;
 - ``nan``: its batch of round POISON_AT is NaN (a non-finite payload);
 - ``malformed``: its payload header of round POISON_AT is corrupted;
@@ -114,7 +115,7 @@ def main(rank: str, addresses: str, out: str, mode: str) -> None:
     params = harness.unflatten(theta0)
     state = trainer.rejoin(params) if mode == "rejoin" else trainer.init(params)
     record = {"rounds": {}, "events": [], "error": None, "start_round": int(state.round)}
-    stop = {"survive": MAX_ROUNDS, "die": DIE_AT}.get(mode, POISON_AT + 2)
+    stop = {"survive": MAX_ROUNDS, "die": DIE_AT, "outlive": DIE_AT + 3}.get(mode, POISON_AT + 2)
     if mode == "rejoin":
         stop = state.round + 3
     real_frame = jobstate.frame

@@ -143,7 +143,11 @@ def test_a_dead_job_is_left_out_and_a_restarted_one_rejoins(tmp_path):
     assert any("replica 2 admitted" in e for e in survivors[0]["events"])
 
 
-@pytest.mark.parametrize("mode, reason", [("nan", "non-finite"), ("malformed", "malformed")])
+# the malformed case runs with -m slow: test_frames_are_checked covers every header check
+@pytest.mark.parametrize(
+    "mode, reason",
+    [("nan", "non-finite"), pytest.param("malformed", "malformed", marks=pytest.mark.slow)],
+)
 def test_a_bad_payload_is_dropped_and_reported(tmp_path, mode, reason):
     """Rank 2's payload of round 1 is non-finite (a NaN batch) or malformed (a wrong
     header): the others drop it from that round and say why; rank 2 applies the same
@@ -169,6 +173,7 @@ def test_a_bad_payload_is_dropped_and_reported(tmp_path, mode, reason):
     )
 
 
+@pytest.mark.slow  # test_drift.py injects a drift into the round engine's anchors quickly
 def test_drift_between_jobs_is_detected(tmp_path):
     """Rank 1 starts from other parameters (another seed): the anchors' fingerprints differ
     after the first round, and every job raises DriftError naming the round and replica 1
@@ -343,6 +348,7 @@ def test_robust_refuses_contributor_means():
         job.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
 
 
+@pytest.mark.slow  # the clip itself: test_clipped_mean_bounds_a_faulty_replica
 def test_robust_jobs_bound_a_faulty_job(tmp_path):
     """robust=True: rank 2's round-1 payload is about 10^4 times the others'; clipped to
     the median norm, the anchor's step that round stays the size of an honest one."""
@@ -383,3 +389,20 @@ def test_a_late_payload_is_carried_into_the_next_exchange(tmp_path):
             == (rounds[t]["params"])
         )
         assert records[2]["rounds"][t]["carried"] == rounds[t]["carried"]
+
+
+def test_the_coordinator_dying_hands_the_decisions_to_the_next_rank(tmp_path):
+    """Rank 0, the coordinator, dies before its round DIE_AT: rank 1 (the next rank of the
+    previous set) decides from then on; ranks 1 and 2 go on together, bit-identical."""
+    jobs = Jobs(tmp_path)
+    jobs.start(0, "die")
+    for rank in (1, 2):
+        jobs.start(rank, "outlive")
+    codes = jobs.wait(time.monotonic() + DEADLINE_S)
+    assert set(codes.values()) == {0}, f"{codes}\n{jobs.logs()}"
+    one, two = jobs.record("outlive", 1)["rounds"], jobs.record("outlive", 2)["rounds"]
+    assert sorted(one) == sorted(two) == [str(t) for t in range(worker.DIE_AT + 3)]
+    for t in one:
+        want = [[0, 1, 2]] if int(t) < worker.DIE_AT else [[1, 2]]
+        assert one[t]["participants"] == two[t]["participants"] == want, (t, one[t])
+        assert one[t]["params"] == two[t]["params"]

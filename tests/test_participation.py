@@ -148,7 +148,14 @@ MASKABLE = [n for n in NAMES if _maskable(n)]
 REFUSED = [n for n in NAMES if not _maskable(n)]
 
 
-@pytest.mark.parametrize("name", MASKABLE)
+# one of each kind in the default suite (synchronous, delayed, fragments, compressed with
+# error feedback, the production quantizer, low-rank); every other with -m slow
+_QUICK = {"diloco", "co2", "streaming_diloco", "sparseloco", "sparseloco[production]", "diloco_x"}
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in _QUICK else pytest.param(n, marks=pytest.mark.slow) for n in MASKABLE]
+)
 def test_a_replica_left_out_every_round_is_the_textbook_loop_without_it(name, problem, mesh):
     """Every registered algorithm with a replica-invariant anchor: replica 1 left out of
     every round == the textbook loop on replicas {0, 2, 3}; and integer weights (2, 1, 0, 1)

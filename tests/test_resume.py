@@ -107,7 +107,14 @@ def _flip_a_bit(step_dir):
     biggest.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage", ["bit_flip", "missing_state", "torn_digest"])
+# bit_flip in the default suite; the other two damages with -m slow (the same fallback)
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "bit_flip",
+        *(pytest.param(d, marks=pytest.mark.slow) for d in ("missing_state", "torn_digest")),
+    ],
+)
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     damage, tmp_path, capsys, straight
 ):

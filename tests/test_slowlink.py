@@ -27,6 +27,8 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith("co2tb-")]
 
 
+# A minute of the testbed: -m slow. Its twin below (a failing run cleans up) stays quick.
+@pytest.mark.slow
 def test_shaped_link_runs_carries_the_payload_and_cleans_up(tmp_path):
     """DiLoCo between two jobs over a 200 Mbit/s shaped link: the run completes, each job's
     link carried at least its payloads (tc's counters), and no namespace is left."""

@@ -145,6 +145,8 @@ class Membership:
             self.exchange.wait(pending, until=tuple(sorted(awaited)))
         mask, self.decided_last = None, False
         for attempt, candidate in enumerate(sorted(self.previous)):
+            if candidate in pending.failed:  # its connection broke: it is gone, the next decides
+                continue
             if candidate == me:
                 mask = np.full(2 * R, OUT, np.int32)
                 mask[sorted(pending.got)] = IN
