@@ -292,12 +292,7 @@ class JobTrainer:
             raise PeerError(f"replica {self.peers.rank}: {pending.label}: every weight is 0")
         stacked = [jnp.stack(col) for col in zip(*[p[2:] for p in payloads], strict=True)]
         encoded = jax.tree.unflatten(treedef, jax.device_put(stacked, self._replicated))
-        if self.robust:
-            if encoded.form.per_index:
-                raise ValueError(
-                    f"robust=True averages decoded payloads, and reducer "
-                    f"{self.outer.reducer.name!r} averages per index over contributors"
-                )
+        if self.robust:  # a contributor mean was refused by init()
             return self._clipped(encoded, jax.device_put(weights, self._replicated))
         if len(payloads) == R and np.all(weights == weights[0]):
             return self._combine(encoded)
@@ -409,13 +404,13 @@ class JobTrainer:
             prints = {
                 int(r): int(v) for r, v in self._side(digest, f"round {state.round}, drift").items()
             }
-            new = new._replace(exchanges=self._exchanges)
+        new = new._replace(exchanges=self._exchanges)  # after the side exchanges
+        if self.drift_every and new.round % self.drift_every == 0:
             try:
                 check_drift(prints, state.round)
             except DriftError as e:
                 e.state = new
                 raise
-        new = new._replace(exchanges=self._exchanges)
         if record["admitted"] and self.membership.decided_last:
             rejoin.welcome(self, new, record["admitted"])
         done = time.perf_counter()
