@@ -45,10 +45,11 @@ from pathlib import Path
 import numpy as np
 
 from co2jax.algorithms import registry
-from experiments import checks, train
+from experiments import checks, studies, train
 from experiments import config as config_lib
 from experiments import model as model_lib
 from experiments.report import progress_line, write_atomic, write_report
+from experiments.studies import STUDIES
 from experiments.sweep_rows import (
     ABLATIONS,
     COMPRESSION,
@@ -350,14 +351,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-ms", type=float, default=10.0)
     parser.add_argument("--overlap-slowdown", type=float, default=0.189)
     parser.add_argument(
-        "--seeds", type=int, default=1, help="runs per algorithm (train.seed, +1, ...)"
+        "--seeds",
+        type=int,
+        default=None,
+        help="runs per algorithm (train.seed, +1, ...); default 1, and 3 for the studies",
     )
     parser.add_argument(
         "--sweep",
         default="all",
-        choices=["all", "compression", "ablations"],
+        choices=["all", "compression", "ablations", *STUDIES],
         help="all: every algorithm; compression: DDP, DiLoCo and the compressed/streamed rows; "
-        "ablations: one setting changed (tau 4, outer Adam, an outer warm-up)",
+        "ablations: one setting changed (tau 4, outer Adam, an outer warm-up); the fidelity "
+        "studies (experiments/studies.py): scaling (DP vs DiLoCo over M, size, H, outer lr), "
+        "eager (overlap variants against H), bytes (compression at equal bytes)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a fidelity study at its smallest grid (checks the pipeline, not the science)",
     )
     parser.add_argument(
         "--rows",
@@ -377,8 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     ]:
         if not value > 0:
             parser.error(f"{name} must be > 0, got {value}")
-    if args.seeds < 1:
+    if args.seeds is not None and args.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.sweep in STUDIES:
+        return _study(args, parser)
+    args.seeds = args.seeds or 1
     typed = _keys(args.overrides)
     fixes = {  # a setting given on the command line replaces the preset's fix
         algorithm: [item for item in items if item.split("=", 1)[0] not in typed]
@@ -427,6 +441,34 @@ def main(argv: list[str] | None = None) -> int:
     path = out / "report.md"
     print("\n".join(ln for ln in path.read_text().splitlines() if ln.startswith("|")))
     print(f"report: {path}")
+    failed = [r["label"] for r in rows if r["status"] == "failed"]
+    if failed:
+        print(f"co2jax compare: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _study(args, parser) -> int:
+    """``--sweep scaling|eager|bytes``: a fidelity study (its own grid, on cpu-tiny's data)."""
+    if args.rows is not None or args.overrides or args.preset != "cpu-tiny":
+        parser.error(f"--sweep {args.sweep} runs its own grid: no --preset, --rows or overrides")
+    seeds = args.seeds or (1 if args.smoke else 3)
+    out = Path(args.out or f"results/{args.sweep}" + ("-smoke" if args.smoke else ""))
+    print(f"co2jax compare: study {args.sweep}, {seeds} seed(s), writing {out}/report.md")
+    began = time.perf_counter()
+    try:
+        rows, targets = studies.run_study(
+            args.sweep, out, smoke=args.smoke, seeds=seeds, rerun=args.rerun
+        )
+    except SweepError as e:
+        print(f"co2jax compare: error: nothing ran: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("co2jax compare: interrupted; rerun the command to finish", file=sys.stderr)
+        return 130
+    for target in targets:
+        print(target.line())
+    print(f"report: {out / 'report.md'} ({time.perf_counter() - began:.0f} s)")
     failed = [r["label"] for r in rows if r["status"] == "failed"]
     if failed:
         print(f"co2jax compare: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)

@@ -1,0 +1,441 @@
+"""The fidelity studies: published orderings checked in miniature.
+
+    python -m experiments.compare --sweep scaling  # DP vs DiLoCo: replicas, size, H, outer lr
+    python -m experiments.compare --sweep eager    # overlap variants against H
+    python -m experiments.compare --sweep bytes    # compressed pseudo-gradients, equal bytes
+
+Each study is a list of rows (the comparison sweep's ``(label, overrides)`` pairs, run by
+:func:`experiments.compare.run_sweep` with its validation up front, reuse of finished runs and
+per-row failure records) and a report: tables, plots and the study's *targets*, each printed
+as ``held`` or ``not held`` with the numbers it was decided on. Nothing is tuned to make a
+target hold: the grids are fixed here, and a target that fails at this scale is reported so.
+
+The scaling study follows the DiLoCo scaling-law recipe (arXiv 2503.09799) in miniature:
+AdamW (0.9, 0.99) inner steps with warm-up and cosine decay, outer Nesterov momentum 0.9,
+the same global batch for every run (DP's batch is split over the M replicas), and tokens
+proportional to model size. The eager study compares the overlapped variants of DiLoCo
+(arXiv 2502.12996) with the synchronous one at the same H. The bytes study runs the
+compressed rows of the comparison on the same tokens and plots loss against the bytes each
+replica sent, with the spread over seeds.
+
+``smoke=True`` gives each study its smallest grid (one small model, a few steps, one seed):
+it checks the pipeline and the report, not the science.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from experiments.report import write_atomic
+from experiments.sweep_rows import SWEEP
+
+# the recipe shared by the studies' runs (on top of the cpu-tiny preset)
+SEQ_LEN = 32
+GLOBAL_BATCH = 16  # sequences per inner step, split over the replicas (and each one's data axis)
+DEVICES = 8
+COMMON = [
+    f"data.seq_len={SEQ_LEN}",
+    "inner.b2=0.99",
+    "inner.schedule=cosine",
+    "log.tensorboard=false",
+    "log.progress=false",
+]
+
+# model sizes: (d_model, n_layers, d_ff, n_heads) -> parameters with the Markov data's 128 tokens
+SIZES = {
+    "37k": (32, 2, 128, 4),
+    "80k": (48, 2, 192, 4),
+    "140k": (64, 2, 256, 4),
+}
+STEPS_PER_KPARAM = 6.5  # inner steps per 1000 parameters: tokens proportional to size
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row of a study: its label, overrides and the coordinates its tables read."""
+
+    label: str
+    overrides: tuple[str, ...]
+    meta: dict
+
+
+def _mesh(replicas: int) -> list[str]:
+    """M replicas share the global batch and the 8 devices: each device gets the same work."""
+    per = GLOBAL_BATCH // replicas
+    return [f"mesh.replica={replicas}", f"mesh.data={DEVICES // replicas}", f"data.batch={per}"]
+
+
+def _model(size: tuple[int, int, int, int]) -> list[str]:
+    d, n_layers, d_ff, heads = size
+    return [
+        f"model.d_model={d}",
+        f"model.n_layers={n_layers}",
+        f"model.d_ff={d_ff}",
+        f"model.n_heads={heads}",
+    ]
+
+
+def _schedule(steps: int, H: int) -> list[str]:
+    rounds = max(steps // H, 1)
+    return [
+        f"train.rounds={rounds}",
+        f"train.sync_every={H}",
+        f"inner.warmup_steps={max(rounds * H // 20, 1)}",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# the scaling study
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingGrid:
+    sizes: dict
+    replicas: tuple[int, ...]
+    outer_lrs: tuple[float, ...]
+    hs: tuple[int, ...]  # the H study's values; the lr grid runs at the largest
+    steps_per_kparam: float
+    eval_every: int = 0
+
+    inner_lrs: tuple[float, ...] = (3e-3, 6e-3, 1.2e-2, 2.4e-2, 4.8e-2)  # DP grid; DiLoCo: its best
+
+
+SCALING = ScalingGrid(SIZES, (1, 2, 4, 8), (0.2, 0.4, 0.7, 1.0), (1, 10, 30), STEPS_PER_KPARAM)
+SCALING_SMOKE = ScalingGrid(
+    {"smoke": (16, 1, 32, 2)}, (1, 2), (0.7,), (1, 2), 0.5, inner_lrs=(1e-2,)
+)
+
+
+def _steps(grid: ScalingGrid, size: str, H: int) -> int:
+    from experiments import model as model_lib
+
+    d, n_layers, d_ff, _heads = grid.sizes[size]
+    cfg = model_lib.preset(
+        "tiny", vocab_size=128, max_seq_len=SEQ_LEN, d_model=d, n_layers=n_layers, d_ff=d_ff
+    )
+    steps = grid.steps_per_kparam * model_lib.param_count(cfg) / 1000
+    return max(round(steps / max(grid.hs)) * max(grid.hs), max(grid.hs))
+
+
+def best_inner_lr(rows: list[Row], results: dict, size: str) -> float | None:
+    """DP's inner learning rate with the least mean final eval loss at ``size``."""
+    means = {
+        r.meta["inner_lr"]: float(np.mean(final_losses(results.get(r.label, []))))
+        for r in rows
+        if r.meta["kind"] == "dp" and r.meta["size"] == size and results.get(r.label)
+    }
+    means = {lr: v for lr, v in means.items() if math.isfinite(v)}
+    return min(means, key=means.get) if means else None
+
+
+def best_outer_lr(rows: list[Row], results: dict) -> float | None:
+    """The outer lr with the least mean final eval loss among ``rows``, once all have run."""
+    if not rows or any(not results.get(r.label) for r in rows):
+        return None
+    means = {r.meta["lr"]: float(np.mean(final_losses(results[r.label]))) for r in rows}
+    means = {lr: v for lr, v in means.items() if math.isfinite(v)}
+    return min(means, key=means.get) if means else None
+
+
+def _diloco_row(cell: dict, base: list[str], m: int, H: int, lr: float) -> Row:
+    """DiLoCo with ``m`` replicas, ``H`` and outer lr ``lr`` at ``cell``'s size, steps and
+    inner lr."""
+    return Row(
+        f"scaling {cell['size']} M={m} H={H} lr={lr}",
+        (
+            *base,
+            "outer.algorithm=diloco",
+            f"outer.learning_rate={lr}",
+            *_mesh(m),
+            *_schedule(cell["steps"], H),
+        ),
+        {**cell, "kind": "diloco", "M": m, "H": H, "lr": lr},
+    )
+
+
+def scaling_rows(smoke: bool = False, results: dict | None = None) -> list[Row]:
+    """First DP over the inner-lr grid at every size. Given their ``results``: at each size's
+    best inner lr, DiLoCo with each M and outer lr at the largest H; given those, the other
+    H's at each M's best outer lr there. All on the same tokens per size."""
+    grid = SCALING_SMOKE if smoke else SCALING
+    rows = []
+    H_top = max(grid.hs)
+    for size, shape in grid.sizes.items():
+        steps = _steps(grid, size, H_top)
+        base = [*COMMON, *_model(shape), f"eval.every={grid.eval_every}"]
+        for inner_lr in grid.inner_lrs:
+            rows.append(
+                Row(
+                    f"scaling {size} DP inner lr {inner_lr}",
+                    (
+                        *base,
+                        "outer.algorithm=ddp",
+                        f"inner.learning_rate={inner_lr}",
+                        *_mesh(1),
+                        *_schedule(steps, H_top),
+                    ),
+                    {"size": size, "kind": "dp", "steps": steps, "inner_lr": inner_lr},
+                )
+            )
+    if results is None:
+        return rows
+    for size, shape in grid.sizes.items():
+        inner_lr = best_inner_lr(rows, results, size)
+        if inner_lr is None:  # DP failed at every inner lr: nothing to compare against
+            continue
+        steps = _steps(grid, size, H_top)
+        base = [
+            *COMMON,
+            *_model(shape),
+            f"eval.every={grid.eval_every}",
+            f"inner.learning_rate={inner_lr}",
+        ]
+        cell = {"size": size, "steps": steps, "inner_lr": inner_lr}
+
+        def row(m, H, lr, cell=cell, base=base):
+            return _diloco_row(cell, base, m, H, lr)
+
+        grid_rows = [row(m, H_top, lr) for m in grid.replicas for lr in grid.outer_lrs]
+        rows += grid_rows
+        for m in grid.replicas:  # the other H's at the outer lr that was best at the largest
+            lr = best_outer_lr([r for r in grid_rows if r.meta["M"] == m], results)
+            if lr is not None:
+                rows += [row(m, H, lr) for H in grid.hs if H != H_top]
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# the eager-updates study
+
+# the eager and bytes studies' inner learning rate: DP's best at 140k parameters in the
+# scaling study's grid (6e-3; 3e-3 and 1.2e-2 were within 0.003 of it)
+INNER_LR = 6e-3
+EAGER_HS = (10, 30, 100)
+EAGER_STEPS = 1800
+EAGER_REPLICAS = 4
+EAGER_SIZE = "140k"
+# (key, label, overrides): no overlap, the naive one-outer-step delay, eager updates, and the
+# whole model streamed as one fragment whose average lands one inner step after it was sent
+VARIANTS = [
+    ("none", "no overlap (DiLoCo)", ["outer.algorithm=diloco"]),
+    ("naive", "naive delayed", ["outer.algorithm=delayed_diloco"]),
+    ("eager", "eager", ["outer.algorithm=eager_diloco"]),
+    (
+        "inner1",
+        "1-inner-step overlap",
+        ["outer.algorithm=streaming_diloco", "outer.fragments=1", "outer.tau=1"],
+    ),
+]
+
+
+def eager_rows(smoke: bool = False, results: dict | None = None) -> list[Row]:
+    hs, steps = ((2,), 4) if smoke else (EAGER_HS, EAGER_STEPS)
+    shape = SCALING_SMOKE.sizes["smoke"] if smoke else SIZES[EAGER_SIZE]
+    rows = []
+    for H in hs:
+        for key, label, overrides in VARIANTS:
+            rows.append(
+                Row(
+                    f"eager H={H} {label}",
+                    (
+                        *COMMON,
+                        *_model(shape),
+                        *_mesh(EAGER_REPLICAS),
+                        *_schedule(steps, H),
+                        "eval.every=0",
+                        f"inner.learning_rate={INNER_LR}",
+                        *overrides,
+                    ),
+                    {"H": H, "variant": key},
+                )
+            )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# compression at equal bytes
+
+BYTES_LABELS = [  # the comparison's rows, by label, plus DiLoCo with FP4 pseudo-gradients
+    "DiLoCo",
+    "DiLoCo int8",
+    "DiLoCo FP4",
+    "Streaming DiLoCo FP4",
+    "SparseLoCo",
+    "SparseLoCo production",
+    "DCT-momentum DiLoCo",
+]
+EXTRA = {"DiLoCo FP4": ["outer.algorithm=diloco", "outer.compression=fp4"]}
+BYTES_H = 30
+BYTES_STEPS = 1200
+
+
+def bytes_rows(smoke: bool = False, results: dict | None = None) -> list[Row]:
+    table = {**dict(SWEEP), **EXTRA}
+    H, steps = (2, 8) if smoke else (BYTES_H, BYTES_STEPS)
+    shape = SCALING_SMOKE.sizes["smoke"] if smoke else SIZES["140k"]
+    labels = BYTES_LABELS[:3] if smoke else BYTES_LABELS
+    return [
+        Row(
+            f"bytes {label}",
+            (
+                *COMMON,
+                *_model(shape),
+                *_mesh(4),
+                *_schedule(steps, H),
+                "eval.every=1" if smoke else "eval.every=2",
+                f"inner.learning_rate={INNER_LR}",
+                *table[label],
+            ),
+            {"name": label},
+        )
+        for label in labels
+    ]
+
+
+STUDIES = {"scaling": scaling_rows, "eager": eager_rows, "bytes": bytes_rows}
+
+
+# ---------------------------------------------------------------------------------------------
+# reading the runs
+
+
+def seed_results(plan: list[dict]) -> dict[str, list[dict]]:
+    """Per row label, each seed's finished ``result.json`` (missing or failed runs left out)."""
+    results = {}
+    for entry in plan:
+        found = []
+        for run in entry["runs"]:
+            try:
+                record = json.loads((run["dir"] / "result.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if record.get("hash") == run["hash"] and record.get("history"):
+                found.append(record)
+        results[entry["label"]] = found
+    return results
+
+
+def final_losses(records: list[dict]) -> list[float]:
+    return [float(r["history"][-1]["eval_loss"]) for r in records]
+
+
+def mean_sd(values: list[float]) -> tuple[float, float | None]:
+    if not values:
+        return math.nan, None
+    sd = float(np.std(values, ddof=1)) if len(values) > 1 else None
+    return float(np.mean(values)), sd
+
+
+def fmt(values: list[float], digits: int = 4) -> str:
+    m, sd = mean_sd(values)
+    if math.isnan(m):
+        return "not run"
+    return f"{m:.{digits}f}" + ("" if sd is None else f" ± {sd:.{digits}f}")
+
+
+@dataclasses.dataclass
+class Target:
+    """One published claim checked on the runs: ``held`` is None where it was not measured."""
+
+    claim: str
+    held: bool | None
+    evidence: str
+
+    def line(self) -> str:
+        verdict = {True: "held", False: "not held", None: "not measured"}[self.held]
+        return f"- **{verdict}**: {self.claim}. {self.evidence}"
+
+
+def write_study(out: Path, title: str, sections: list[str], targets: list[Target], data) -> None:
+    """``report.md`` (the targets first, then the tables) and ``study.json`` (the numbers)."""
+    text = [f"# {title}", "", "## Targets", "", *[t.line() for t in targets], ""]
+    text += sections
+    write_atomic(out / "report.md", "\n".join(text) + "\n")
+    payload = {"targets": [dataclasses.asdict(t) for t in targets], "data": data}
+    write_atomic(out / "study.json", json.dumps(payload, indent=1, default=float))
+
+
+TITLES = {
+    "scaling": "DiLoCo scaling in miniature: replicas, model size, H and the outer learning rate",
+    "eager": "Overlapping the outer step: naive delay, eager updates and a one-step overlap",
+    "bytes": "Compressed pseudo-gradients at equal bytes",
+}
+
+
+def run_study(name: str, out: Path, *, smoke: bool = False, seeds: int = 3, rerun: bool = False):
+    """Runs study ``name`` into ``out`` (finished runs reused unless ``rerun``) and writes its
+    report; returns ``(rows, targets)`` where rows are the sweep's rows (status per row)."""
+    from experiments import config as config_lib
+
+    base = config_lib.override(config_lib.preset("cpu-tiny"), ["log.progress=false"])
+    out = Path(out)
+    with _compile_cache(out / ".compile-cache"):
+        return _run_study(name, out, base, smoke, seeds, rerun)
+
+
+@contextlib.contextmanager
+def _compile_cache(path: Path):
+    """XLA's persistent compilation cache in ``path`` while the study runs: the seeds of a
+    row compile the same programs (3x fewer compiles, most of a small model's run time), and
+    so does a study started again. The process's own settings come back afterwards."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    before = {name: getattr(jax.config, name) for name in names}
+    for name, value in zip(names, (str(path), 0.0, 0), strict=True):
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()  # the cache is set up at the first compile after this
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
+def _run_study(name, out, base, smoke, seeds, rerun):
+    import jax
+
+    from experiments import compare, study_reports
+
+    if rerun:  # every run again: the earlier ones go first, so no phase reuses them
+        import shutil
+
+        shutil.rmtree(out / "runs", ignore_errors=True)
+    rows, results, done = STUDIES[name](smoke), None, set()
+    while True:  # a study whose later rows depend on earlier ones adds them once those ran
+        sweep = [(r.label, list(r.overrides)) for r in rows]
+        swept = compare.run_sweep(
+            base,
+            out,
+            compare.Link(),
+            sweep=sweep,
+            seeds=seeds,
+            report=False,
+        )
+        plan = compare.plan_sweep(base, out, sweep, seeds, jax.device_count())
+        results = seed_results(plan)
+        done |= {r.label for r in rows}
+        rows = STUDIES[name](smoke, results)
+        if {r.label for r in rows} <= done:
+            break
+    report = getattr(study_reports, f"{name}_report")
+    sections, targets, data = report(rows, results, out)
+    failed = [r for r in swept if r["status"] == "failed"]
+    if failed:
+        sections += ["", "## Failed rows", ""]
+        sections += [f"- {r['label']}: {r['error']}" for r in failed]
+    sections += ["", f"Runs: {len(rows)} rows x {seeds} seed(s), under `{out}/runs`."]
+    write_study(out, TITLES[name], sections, targets, data)
+    return swept, targets

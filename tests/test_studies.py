@@ -1,0 +1,195 @@
+"""The fidelity studies (experiments/studies.py): each sweep end to end at its smallest grid,
+the targets' verdicts on made-up results, and the Table 6 cost model against a step-by-step
+simulation of the same schedule."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from benchmarks import utilization
+from experiments import compare, studies, study_reports
+
+
+def _fake(rows, loss_of):
+    """Results as the runs would leave them: three seeds per row, final losses loss_of(meta)
+    plus a small seed spread, and a bytes/eval history for the curves."""
+    results = {}
+    for r in rows:
+        base = loss_of(r.meta)
+        results[r.label] = [
+            {
+                "history": [
+                    {"bytes_total": 1e3 * (k + 1), "eval_loss": base + 0.1 * (2 - k) + d}
+                    for k in range(3)
+                ]
+            }
+            for d in (-1e-4, 0.0, 1e-4)
+        ]
+    return results
+
+
+def _verdicts(targets):
+    return {t.claim.split(" (")[0]: t.held for t in targets}
+
+
+def _scaling(loss_of, tmp_path):
+    rows = studies.scaling_rows()  # DP; then DiLoCo at its best inner lr; then the H rows
+    phases = 1
+    while True:
+        results = _fake(rows, loss_of)
+        more = studies.scaling_rows(results=results)
+        if {r.label for r in more} == {r.label for r in rows}:
+            break
+        rows, phases = more, phases + 1
+    assert phases == 3 and len(rows) == 3 * (5 + 4 * 4 + 4 * 2)
+    return study_reports.scaling_report(rows, results, tmp_path)
+
+
+SIZE = {"37k": 0, "80k": 1, "140k": 2}
+
+
+def _published(meta):
+    """A made-up study that has every published property."""
+    if meta["kind"] == "dp":
+        return 2.0 - 0.1 * SIZE[meta["size"]] + abs(math.log(meta["inner_lr"] / 6e-3))
+    M, H, lr = meta["M"], meta["H"], meta["lr"]
+    best_lr = {1: 0.4, 2: 0.7, 4: 0.7, 8: 1.0}[M]
+    gap = 0.01 * math.log2(M) / (1 + SIZE[meta["size"]]) - 0.002
+    h_pen = {1: 0.2, 10: 0.01, 30: 0.0}[H]
+    return (2.0 - 0.1 * SIZE[meta["size"]]) * (1 + gap) + h_pen + 0.05 * abs(lr - best_lr)
+
+
+def test_scaling_targets_hold_on_a_study_with_the_published_properties(tmp_path):
+    sections, targets, data = _scaling(_published, tmp_path)
+    assert all(t.held is True for t in targets), [t.line() for t in targets]
+    assert data["inner_lr"] == {"37k": 6e-3, "80k": 6e-3, "140k": 6e-3}
+    assert data["best"]["80k M=8"][0] == 1.0
+    for name in ("scaling_relative.png", "scaling_best_lr.png", "scaling_h.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert any("| 37k | 8 |" in line for line in sections)
+
+
+@pytest.mark.parametrize(
+    "claim, broken",
+    [
+        (
+            "DiLoCo with M = 1 is no worse than DP",
+            lambda m, v: v + 0.01 * (m.get("M") == 1 and m["size"] == "37k"),
+        ),
+        ("the loss rises with M", lambda m, v: v - 0.05 * (m.get("M") == 8)),
+        (
+            "the gap to DP shrinks with model size",
+            lambda m, v: v + 0.004 * (m.get("size") == "140k" and m.get("M") == 2),
+        ),
+        (
+            "the best outer lr rises with M",
+            lambda m, v: v - 0.035 * (m.get("M") == 8 and m.get("lr") == 0.4),
+        ),
+        ("H = 1 is the worst H", lambda m, v: v - 0.5 * (m.get("H") == 1 and m["M"] == 2)),
+    ],
+)
+def test_each_scaling_target_fails_when_its_property_is_broken(claim, broken, tmp_path):
+    _, targets, _ = _scaling(lambda m: broken(m, _published(m)), tmp_path)
+    verdicts = _verdicts(targets)
+    assert verdicts[claim] is False
+    assert sum(v is False for v in verdicts.values()) == 1, verdicts
+
+
+def test_eager_targets(tmp_path):
+    rows = studies.eager_rows()
+
+    def loss(meta, naive_growth=True, eager=0.003):
+        grow = {10: 1.0, 30: 2.0, 100: 3.0}[meta["H"]] if naive_growth else 1.0
+        pen = {"none": 0.0, "naive": 0.02 * grow, "eager": eager, "inner1": 0.01}
+        return 2.0 + pen[meta["variant"]]
+
+    _, targets, data = study_reports.eager_report(rows, _fake(rows, loss), tmp_path)
+    assert [t.held for t in targets] == [True, True]  # rising, and 0.04 >= 5 x 0.003
+    assert data["H=30 naive"] == pytest.approx(2.04)
+    flat = _fake(rows, lambda m: loss(m, naive_growth=False, eager=0.006))
+    _, targets, _ = study_reports.eager_report(rows, flat, tmp_path)
+    assert [t.held for t in targets] == [False, False]  # flat, and 0.02 < 5 x 0.006
+    assert (tmp_path / "eager_penalty.png").stat().st_size > 0
+
+
+def test_bytes_report_interpolates_in_log_bytes(tmp_path):
+    record = {
+        "history": [
+            {"bytes_total": 10.0, "eval_loss": 3.0},
+            {"bytes_total": 1000.0, "eval_loss": 1.0},
+        ]
+    }
+    assert study_reports._at_bytes(record, 100.0) == pytest.approx(2.0)
+    assert math.isnan(study_reports._at_bytes(record, 5.0))
+    rows = studies.bytes_rows()
+    _sections, targets, data = study_reports.bytes_report(
+        rows, _fake(rows, lambda m: 2.0), tmp_path
+    )
+    assert targets == [] and data["budget"] == pytest.approx(3e3)
+    assert (tmp_path / "loss_vs_bytes.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("sweep", ["scaling", "eager", "bytes"])
+def test_each_study_runs_end_to_end_at_its_smallest_grid(sweep, tmp_path, capsys):
+    out = tmp_path / sweep
+    assert compare.main(["--sweep", sweep, "--smoke", "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert report.startswith("# ") and "## Targets" in report and "not run" not in report
+    payload = json.loads((out / "study.json").read_text())
+    assert payload["data"]
+    printed = capsys.readouterr().out
+    for target in payload["targets"]:
+        assert target["claim"] in printed
+    assert list(out.glob("*.png"))
+
+
+def test_a_study_refuses_a_preset_or_overrides(capsys):
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--sweep", "eager", "outer.learning_rate=0.5"])
+    assert e.value.code == 2
+    assert "--sweep eager runs its own grid" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Table 6's cost model
+
+
+def _simulated_round_s(step_s, H, comm_s, layers, backward_fraction):
+    """The schedule event by event: H - 1 plain steps, then the last one's forward, the
+    backward pass layer by layer, and each layer's part of the reduction on the one link as
+    soon as its backward is done and the link is free."""
+    t = (H - 1) * step_s + (1 - backward_fraction) * step_s
+    link_free = t
+    for _ in range(layers):
+        t += backward_fraction * step_s / layers  # this layer's backward is done
+        link_free = max(link_free, t) + comm_s / layers  # its part goes when the link is free
+    return max(t, link_free)
+
+
+def test_layerwise_round_matches_the_event_by_event_schedule():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        step = rng.uniform(0.1, 2.0)
+        H = int(rng.integers(1, 200))
+        comm = step * 10 ** rng.uniform(-3, 2)
+        layers = int(rng.integers(1, 96))
+        fraction = rng.uniform(0.3, 0.9)
+        assert utilization.layerwise_round_s(step, H, comm, layers, fraction) == pytest.approx(
+            _simulated_round_s(step, H, comm, layers, fraction), rel=1e-12
+        )
+
+
+def test_table6_grid_and_solutions():
+    # every published value lies on the inferred grid (within the paper's rounding)
+    for values in utilization.TABLE6_PAPER.values():
+        for v in values:
+            assert np.min(np.abs(utilization.TABLE6_GRID / v - 1)) < 0.01, v
+    for cell in utilization.table6():
+        H = 1 if cell["row"] == "DP" else 100
+        exact = cell["exact"]
+        assert utilization.table6_utilization(exact * 1.0001, H) >= cell["level"]
+        assert utilization.table6_utilization(exact * 0.999, H) < cell["level"]
+        assert cell["ours"] >= exact and cell["ours"] / exact < 1.21  # the next grid value
+        assert cell["held"] == (abs(cell["ours"] / cell["paper"] - 1) <= 0.10)
