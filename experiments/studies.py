@@ -354,7 +354,8 @@ class Target:
 
 def write_study(out: Path, title: str, sections: list[str], targets: list[Target], data) -> None:
     """``report.md`` (the targets first, then the tables) and ``study.json`` (the numbers)."""
-    text = [f"# {title}", "", "## Targets", "", *[t.line() for t in targets], ""]
+    lines = [t.line() for t in targets] or ["None: this study measures, with no threshold."]
+    text = [f"# {title}", "", "## Targets", "", *lines, ""]
     text += sections
     write_atomic(out / "report.md", "\n".join(text) + "\n")
     payload = {"targets": [dataclasses.asdict(t) for t in targets], "data": data}

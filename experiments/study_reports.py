@@ -352,6 +352,18 @@ def _at_bytes(record, budget: float) -> float:
     return float(np.interp(np.log(budget), np.log(x[ok]), y[ok]))
 
 
+def _bytes_to_reach(records, loss: float) -> float:
+    """Bytes per replica at the first evaluation where the seeds' mean loss is <= ``loss``."""
+    if not records or not math.isfinite(loss):
+        return math.nan
+    curves = [_curve(r) for r in records]
+    length = min(len(c[0]) for c in curves)
+    x = np.mean([c[0][:length] for c in curves], axis=0)
+    y = np.mean([c[1][:length] for c in curves], axis=0)
+    hits = np.nonzero(y <= loss)[0]
+    return float(x[hits[0]]) if len(hits) else math.nan
+
+
 def _diverged(records) -> bool:
     """A seed whose eval loss is non-finite or ended above where it started."""
     for r in records:
@@ -371,30 +383,42 @@ def bytes_report(rows, results, out: Path):
     firsts = [_curve(r)[0][0] for n in done for r in recs[n] if len(_curve(r)[0])]
     at = {n: [_at_bytes(r, budget) for r in recs[n]] for n in done}
     sections = ["## Final eval loss and bytes per replica (same tokens)", ""]
+    ref = np.mean(finals.get("DiLoCo") or [math.nan])
+    # equal quality: the bytes at which a row's mean curve first reaches DiLoCo's final loss
+    # (float32, the uncompressed reference) within 0.5%
+    quality = 1.005 * float(np.mean(final_losses(recs.get("DiLoCo", [])) or [math.nan]))
     sections += [
         "| row | final eval loss | bytes per replica | ratio to DiLoCo | "
-        f"loss at {budget:.3g} bytes |",
-        "|---|---|---|---|---|",
+        f"loss at {budget:.3g} bytes | bytes to reach {quality:.4f} |",
+        "|---|---|---|---|---|---|",
     ]
-    ref = np.mean(finals.get("DiLoCo") or [math.nan])
     flags = {n: _diverged(recs[n]) for n in done}
+    ref_reach = _bytes_to_reach(recs.get("DiLoCo", []), quality)
     for n in names:
         if not recs[n]:
-            sections.append(f"| {n} | not run | | | |")
+            sections.append(f"| {n} | not run | | | | |")
             continue
         if flags[n]:
-            sections.append(f"| {n} | diverged ({fmt(final_losses(recs[n]))}) | | | |")
+            sections.append(f"| {n} | diverged ({fmt(final_losses(recs[n]))}) | | | | |")
             continue
         b = float(np.mean(finals[n]))
         vals = [v for v in at[n] if math.isfinite(v)]
         at_text = fmt(vals) if vals else "below the first evaluation"
         ratio = f"1/{ref / b:.1f}" if math.isfinite(ref) and b > 0 else "n/a"
-        sections.append(f"| {n} | {fmt(final_losses(recs[n]))} | {b:.3g} | {ratio} | {at_text} |")
+        reach = _bytes_to_reach(recs[n], quality)
+        reach_text = "not reached" if not math.isfinite(reach) else f"{reach:.3g}"
+        if math.isfinite(reach) and math.isfinite(ref_reach):
+            reach_text += f" (1/{ref_reach / reach:.1f})"
+        sections.append(
+            f"| {n} | {fmt(final_losses(recs[n]))} | {b:.3g} | {ratio} | {at_text} | {reach_text} |"
+        )
     sections += [
         "",
         "The common budget is the smallest total any row sent; a row's loss there is its "
         "eval curve interpolated in log bytes (rows that send more reach the budget in their "
-        "first rounds, before their first evaluation: 'below the first evaluation').",
+        "first rounds, before their first evaluation: 'below the first evaluation'). Equal "
+        "quality: the bytes each row had sent at its first evaluation whose mean over seeds "
+        "was within 0.5% of DiLoCo's final loss, and the ratio to DiLoCo's.",
         "",
         "Plot: `loss_vs_bytes.png`: the mean over seeds, with the band from the lowest to "
         "the highest seed.",
