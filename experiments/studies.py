@@ -218,7 +218,14 @@ def scaling_rows(smoke: bool = False, results: dict | None = None) -> list[Row]:
 INNER_LR = 6e-3
 EAGER_HS = (10, 30, 100)
 EAGER_STEPS = 1800
-EAGER_REPLICAS = 4
+# one device per replica (the global batch of 16 as 8 x 2): with 4 replicas' batches split
+# over 2 data shards each, naive delayed DiLoCo's round program stalled twice in a row on
+# this 2-core machine (its replica-axis reduction and the data-axis ones waiting on each other
+# in XLA:CPU's collective rendezvous until the runtime aborted the process)
+EAGER_REPLICAS = 8
+EAGER_MESH = _mesh(EAGER_REPLICAS)
+# DiLoCo's best outer lr at 140k parameters, M = 8, H = 30 in the scaling study
+EAGER_OUTER_LR = 0.4
 EAGER_SIZE = "140k"
 # (key, label, overrides): no overlap, the naive one-outer-step delay, eager updates, and the
 # whole model streamed as one fragment whose average lands one inner step after it was sent
@@ -246,10 +253,11 @@ def eager_rows(smoke: bool = False, results: dict | None = None) -> list[Row]:
                     (
                         *COMMON,
                         *_model(shape),
-                        *_mesh(EAGER_REPLICAS),
+                        *EAGER_MESH,
                         *_schedule(steps, H),
                         "eval.every=0",
                         f"inner.learning_rate={INNER_LR}",
+                        f"outer.learning_rate={EAGER_OUTER_LR}",
                         *overrides,
                     ),
                     {"H": H, "variant": key},
