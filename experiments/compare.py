@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from co2jax.algorithms import registry
-from experiments import checks, studies, train
+from experiments import checks, study_reports, study_run, train
 from experiments import config as config_lib
 from experiments import model as model_lib
 from experiments.report import progress_line, write_atomic, write_report
@@ -360,16 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         "--sweep",
         default="all",
         choices=["all", "compression", "ablations", *STUDIES],
-        help="all: every algorithm; compression: DDP, DiLoCo and the compressed/streamed rows; "
-        "ablations: one setting changed (tau 4, outer Adam, an outer warm-up); the fidelity "
-        "studies (experiments/studies.py): scaling (DP vs DiLoCo over M, size, H, outer lr), "
-        "eager (overlap variants against H), bytes (compression at equal bytes)",
+        help="all, compression, ablations: rows of algorithms; scaling, eager, bytes: studies",
     )
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="a fidelity study at its smallest grid (checks the pipeline, not the science)",
-    )
+    parser.add_argument("--smoke", action="store_true", help="a study at its smallest grid")
     parser.add_argument(
         "--rows",
         default=None,
@@ -448,32 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _study(args, parser) -> int:
-    """``--sweep scaling|eager|bytes``: a fidelity study (its own grid, on cpu-tiny's data)."""
-    if args.rows is not None or args.overrides or args.preset != "cpu-tiny":
-        parser.error(f"--sweep {args.sweep} runs its own grid: no --preset, --rows or overrides")
-    seeds = args.seeds or (1 if args.smoke else 3)
-    out = Path(args.out or f"results/{args.sweep}" + ("-smoke" if args.smoke else ""))
-    print(f"co2jax compare: study {args.sweep}, {seeds} seed(s), writing {out}/report.md")
-    began = time.perf_counter()
-    try:
-        rows, targets = studies.run_study(
-            args.sweep, out, smoke=args.smoke, seeds=seeds, rerun=args.rerun
-        )
-    except SweepError as e:
-        print(f"co2jax compare: error: nothing ran: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("co2jax compare: interrupted; rerun the command to finish", file=sys.stderr)
-        return 130
-    for target in targets:
-        print(target.line())
-    print(f"report: {out / 'report.md'} ({time.perf_counter() - began:.0f} s)")
-    failed = [r["label"] for r in rows if r["status"] == "failed"]
-    if failed:
-        print(f"co2jax compare: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+def _study(args, parser) -> int:  # --sweep scaling|eager|bytes (experiments/studies.py)
+    sweeper = study_run.Sweeper(run_sweep, plan_sweep, Link, SweepError)
+    return study_run.command(args, parser, sweeper, study_reports)
 
 
 if __name__ == "__main__":

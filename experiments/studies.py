@@ -24,7 +24,6 @@ it checks the pipeline and the report, not the science.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments import model as model_lib
 from experiments.report import write_atomic
 from experiments.sweep_rows import SWEEP
 
@@ -113,8 +113,6 @@ SCALING_SMOKE = ScalingGrid(
 
 
 def _steps(grid: ScalingGrid, size: str, H: int) -> int:
-    from experiments import model as model_lib
-
     d, n_layers, d_ff, _heads = grid.sizes[size]
     cfg = model_lib.preset(
         "tiny", vocab_size=128, max_seq_len=SEQ_LEN, d_model=d, n_layers=n_layers, d_ff=d_ff
@@ -375,76 +373,3 @@ TITLES = {
     "eager": "Overlapping the outer step: naive delay, eager updates and a one-step overlap",
     "bytes": "Compressed pseudo-gradients at equal bytes",
 }
-
-
-def run_study(name: str, out: Path, *, smoke: bool = False, seeds: int = 3, rerun: bool = False):
-    """Runs study ``name`` into ``out`` (finished runs reused unless ``rerun``) and writes its
-    report; returns ``(rows, targets)`` where rows are the sweep's rows (status per row)."""
-    from experiments import config as config_lib
-
-    base = config_lib.override(config_lib.preset("cpu-tiny"), ["log.progress=false"])
-    out = Path(out)
-    with _compile_cache(out / ".compile-cache"):
-        return _run_study(name, out, base, smoke, seeds, rerun)
-
-
-@contextlib.contextmanager
-def _compile_cache(path: Path):
-    """XLA's persistent compilation cache in ``path`` while the study runs: the seeds of a
-    row compile the same programs (3x fewer compiles, most of a small model's run time), and
-    so does a study started again. The process's own settings come back afterwards."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache
-
-    names = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
-    )
-    before = {name: getattr(jax.config, name) for name in names}
-    for name, value in zip(names, (str(path), 0.0, 0), strict=True):
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()  # the cache is set up at the first compile after this
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            jax.config.update(name, value)
-        compilation_cache.reset_cache()
-
-
-def _run_study(name, out, base, smoke, seeds, rerun):
-    import jax
-
-    from experiments import compare, study_reports
-
-    if rerun:  # every run again: the earlier ones go first, so no phase reuses them
-        import shutil
-
-        shutil.rmtree(out / "runs", ignore_errors=True)
-    rows, results, done = STUDIES[name](smoke), None, set()
-    while True:  # a study whose later rows depend on earlier ones adds them once those ran
-        sweep = [(r.label, list(r.overrides)) for r in rows]
-        swept = compare.run_sweep(
-            base,
-            out,
-            compare.Link(),
-            sweep=sweep,
-            seeds=seeds,
-            report=False,
-        )
-        plan = compare.plan_sweep(base, out, sweep, seeds, jax.device_count())
-        results = seed_results(plan)
-        done |= {r.label for r in rows}
-        rows = STUDIES[name](smoke, results)
-        if {r.label for r in rows} <= done:
-            break
-    report = getattr(study_reports, f"{name}_report")
-    sections, targets, data = report(rows, results, out)
-    failed = [r for r in swept if r["status"] == "failed"]
-    if failed:
-        sections += ["", "## Failed rows", ""]
-        sections += [f"- {r['label']}: {r['error']}" for r in failed]
-    sections += ["", f"Runs: {len(rows)} rows x {seeds} seed(s), under `{out}/runs`."]
-    write_study(out, TITLES[name], sections, targets, data)
-    return swept, targets

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks import utilization
-from experiments import compare, studies, study_reports
+from experiments import bytes_report, compare, studies, study_reports
 
 
 def _fake(rows, loss_of):
@@ -121,12 +121,10 @@ def test_bytes_report_interpolates_in_log_bytes(tmp_path):
             {"bytes_total": 1000.0, "eval_loss": 1.0},
         ]
     }
-    assert study_reports._at_bytes(record, 100.0) == pytest.approx(2.0)
-    assert math.isnan(study_reports._at_bytes(record, 5.0))
+    assert bytes_report._at_bytes(record, 100.0) == pytest.approx(2.0)
+    assert math.isnan(bytes_report._at_bytes(record, 5.0))
     rows = studies.bytes_rows()
-    _sections, targets, data = study_reports.bytes_report(
-        rows, _fake(rows, lambda m: 2.0), tmp_path
-    )
+    _sections, targets, data = bytes_report.bytes_report(rows, _fake(rows, lambda m: 2.0), tmp_path)
     assert targets == [] and data["budget"] == pytest.approx(3e3)
     assert (tmp_path / "loss_vs_bytes.png").stat().st_size > 0
 
