@@ -48,7 +48,7 @@ from co2jax.algorithms import registry
 from experiments import checks, study_reports, study_run, train
 from experiments import config as config_lib
 from experiments import model as model_lib
-from experiments.report import progress_line, write_atomic, write_report
+from experiments.report import exit_status, progress_line, write_atomic, write_report
 from experiments.studies import STUDIES
 from experiments.sweep_rows import (
     ABLATIONS,
@@ -434,11 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     path = out / "report.md"
     print("\n".join(ln for ln in path.read_text().splitlines() if ln.startswith("|")))
     print(f"report: {path}")
-    failed = [r["label"] for r in rows if r["status"] == "failed"]
-    if failed:
-        print(f"co2jax compare: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(rows)
 
 
 def _study(args, parser) -> int:  # --sweep scaling|eager|bytes (experiments/studies.py)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,15 @@ def progress_line(row: dict, seeds: int) -> str:
     how = "reused" if not row["ran"] else f"{row['run_s']:.0f}s"
     flag = f" [{row['flag']}]" if row.get("flag") else ""
     return f"{label} eval {row['eval_loss']:.4f}{spread}  ({how}){flag}"
+
+
+def exit_status(rows: list[dict]) -> int:
+    """The sweep's exit code: 1 (failed rows named on stderr) when any row failed, else 0."""
+    failed = [r["label"] for r in rows if r["status"] == "failed"]
+    if failed:
+        print(f"co2jax compare: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def format_ratio(x: float | None) -> str:

@@ -38,7 +38,7 @@ from experiments.sweep_rows import SWEEP
 # the recipe shared by the studies' runs (on top of the cpu-tiny preset)
 SEQ_LEN = 32
 GLOBAL_BATCH = 16  # sequences per inner step, split over the replicas (and each one's data axis)
-DEVICES = 8
+MIN_DEVICES = 2  # a run's fewest devices (DP and M = 1: two data shards)
 COMMON = [
     f"data.seq_len={SEQ_LEN}",
     "inner.b2=0.99",
@@ -53,7 +53,10 @@ SIZES = {
     "80k": (48, 2, 192, 4),
     "140k": (64, 2, 256, 4),
 }
-STEPS_PER_KPARAM = 6.5  # inner steps per 1000 parameters: tokens proportional to size
+# inner steps per 1000 parameters: tokens proportional to size. The first measured grid ran
+# 6.5 (240 to 900 steps) with four outer lrs and took 43.7 minutes on 2 cores; this one fits
+# the study's 30 minutes (docs/experiments.md)
+STEPS_PER_KPARAM = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +69,14 @@ class Row:
 
 
 def _mesh(replicas: int) -> list[str]:
-    """M replicas share the global batch and the 8 devices: each device gets the same work."""
+    """M replicas share the global batch, one device each (one replica: two data shards).
+    The study's runner gives a row a process with as many emulated devices as its mesh: on
+    2 cores, DP at 140k parameters ran its 900 steps in 9.6 s on 2 devices and 18.9 s on 8
+    (1.2e-7 apart in loss). Two replicas of 8 sequences each and one of 16 over 2 data
+    shards are the same arithmetic up to the order of float sums."""
     per = GLOBAL_BATCH // replicas
-    return [f"mesh.replica={replicas}", f"mesh.data={DEVICES // replicas}", f"data.batch={per}"]
+    data = max(MIN_DEVICES // replicas, 1)
+    return [f"mesh.replica={replicas}", f"mesh.data={data}", f"data.batch={per}"]
 
 
 def _model(size: tuple[int, int, int, int]) -> list[str]:
@@ -106,7 +114,7 @@ class ScalingGrid:
     inner_lrs: tuple[float, ...] = (3e-3, 6e-3, 1.2e-2, 2.4e-2, 4.8e-2)  # DP grid; DiLoCo: its best
 
 
-SCALING = ScalingGrid(SIZES, (1, 2, 4, 8), (0.2, 0.4, 0.7, 1.0), (1, 10, 30), STEPS_PER_KPARAM)
+SCALING = ScalingGrid(SIZES, (1, 2, 4, 8), (0.2, 0.45, 1.0), (1, 10, 30), STEPS_PER_KPARAM)
 SCALING_SMOKE = ScalingGrid(
     {"smoke": (16, 1, 32, 2)}, (1, 2), (0.7,), (1, 2), 0.5, inner_lrs=(1e-2,)
 )
@@ -221,7 +229,6 @@ EAGER_STEPS = 1800
 # this 2-core machine (its replica-axis reduction and the data-axis ones waiting on each other
 # in XLA:CPU's collective rendezvous until the runtime aborted the process)
 EAGER_REPLICAS = 8
-EAGER_MESH = _mesh(EAGER_REPLICAS)
 # DiLoCo's best outer lr at 140k parameters, M = 8, H = 30 in the scaling study
 EAGER_OUTER_LR = 0.4
 EAGER_SIZE = "140k"
@@ -239,28 +246,45 @@ VARIANTS = [
 ]
 
 
+# the same three at H = 30 with fewer replicas: eager's fresh term is each replica's own
+# pseudo-gradient over M, so its correction of the stale average shrinks as M grows
+EAGER_BY_M = (2, 4)
+BY_M_VARIANTS = ("none", "naive", "eager")
+
+
 def eager_rows(smoke: bool = False, results: dict | None = None) -> list[Row]:
     hs, steps = ((2,), 4) if smoke else (EAGER_HS, EAGER_STEPS)
     shape = SCALING_SMOKE.sizes["smoke"] if smoke else SIZES[EAGER_SIZE]
-    rows = []
-    for H in hs:
-        for key, label, overrides in VARIANTS:
-            rows.append(
-                Row(
-                    f"eager H={H} {label}",
-                    (
-                        *COMMON,
-                        *_model(shape),
-                        *EAGER_MESH,
-                        *_schedule(steps, H),
-                        "eval.every=0",
-                        f"inner.learning_rate={INNER_LR}",
-                        f"outer.learning_rate={EAGER_OUTER_LR}",
-                        *overrides,
-                    ),
-                    {"H": H, "variant": key},
-                )
-            )
+    by_m = ((2, (2,)),) if smoke else ((30, EAGER_BY_M),)
+
+    def row(H, m, key, label, overrides, name):
+        return Row(
+            name,
+            (
+                *COMMON,
+                *_model(shape),
+                *_mesh(m),
+                *_schedule(steps, H),
+                "eval.every=0",
+                f"inner.learning_rate={INNER_LR}",
+                f"outer.learning_rate={EAGER_OUTER_LR}",
+                *overrides,
+            ),
+            {"H": H, "variant": key, "M": m},
+        )
+
+    rows = [
+        row(H, EAGER_REPLICAS, key, label, overrides, f"eager H={H} {label}")
+        for H in hs
+        for key, label, overrides in VARIANTS
+    ]
+    rows += [
+        row(H, m, key, label, overrides, f"eager H={H} M={m} {label}")
+        for H, ms in by_m
+        for m in ms
+        for key, label, overrides in VARIANTS
+        if key in BY_M_VARIANTS
+    ]
     return rows
 
 
@@ -279,6 +303,9 @@ BYTES_LABELS = [  # the comparison's rows, by label, plus DiLoCo with FP4 pseudo
 EXTRA = {"DiLoCo FP4": ["outer.algorithm=diloco", "outer.compression=fp4"]}
 BYTES_H = 30
 BYTES_STEPS = 1200
+# 4 replicas x 2 data shards over 8 devices, the mesh its measured table was run on (the
+# same arithmetic as 4 x 1 up to the order of float sums)
+BYTES_MESH = ["mesh.replica=4", "mesh.data=2", f"data.batch={GLOBAL_BATCH // 4}"]
 
 
 def bytes_rows(smoke: bool = False, results: dict | None = None) -> list[Row]:
@@ -292,7 +319,7 @@ def bytes_rows(smoke: bool = False, results: dict | None = None) -> list[Row]:
             (
                 *COMMON,
                 *_model(shape),
-                *_mesh(4),
+                *BYTES_MESH,
                 *_schedule(steps, H),
                 "eval.every=1" if smoke else "eval.every=2",
                 f"inner.learning_rate={INNER_LR}",

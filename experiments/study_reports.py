@@ -269,6 +269,8 @@ def _scaling_plots(out, sizes, Ms, Hs, lrs, by, dp, best, rel, H_top) -> None:
 
 
 def eager_report(rows, results, out: Path):
+    by_m = [r for r in rows if r.meta["M"] != EAGER_REPLICAS]
+    rows = [r for r in rows if r.meta["M"] == EAGER_REPLICAS]
     Hs = sorted({r.meta["H"] for r in rows})
     keys = [k for k, _, _ in VARIANTS]
     names = {k: label for k, label, _ in VARIANTS}
@@ -287,6 +289,8 @@ def eager_report(rows, results, out: Path):
         cells = [f"{penalty[H, k]:+.4f}" for k in keys if k != "none"]
         sections.append(f"| {H} | " + " | ".join(cells) + " |")
     sections += ["", "Plot: `eager_penalty.png` (each variant's penalty against H)."]
+    m_sections, m_data = _eager_by_m(by_m, results, mean)
+    sections += m_sections
 
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5.5, 4))
@@ -331,5 +335,38 @@ def eager_report(rows, results, out: Path):
                 f"naive {n:+.4f}, eager {e:+.4f} ({ratio})",
             )
         )
-    data = {f"H={H} {k}": v for (H, k), v in mean.items()}
+    data = {f"H={H} {k}": v for (H, k), v in mean.items()} | m_data
     return sections, targets, data
+
+
+def _eager_by_m(rows, results, mean_at_top):
+    """The naive and eager penalties at one H for each M: eager's fresh term is 1/M of the
+    update, so the share of the naive delay's cost it recovers is expected to fall with M."""
+    if not rows:
+        return [], {}
+    H = rows[0].meta["H"]
+    mean = {
+        (r.meta["M"], r.meta["variant"]): mean_sd(final_losses(results.get(r.label, [])))[0]
+        for r in rows
+    }
+    for k in ("none", "naive", "eager"):
+        mean[EAGER_REPLICAS, k] = mean_at_top.get((H, k), math.nan)
+    ms = sorted({m for m, _ in mean})
+    sections = ["", f"## Penalty at H = {H} by replicas", ""]
+    sections += [
+        "| M | no overlap | naive delayed | eager | naive / eager |",
+        "|---|---|---|---|---|",
+    ]
+    data = {}
+    for m in ms:
+        n = mean[m, "naive"] - mean[m, "none"]
+        e = mean[m, "eager"] - mean[m, "none"]
+        ratio = f"{n / e:.1f}x" if _ok([n, e]) and e > 0 else "-"
+        sections.append(f"| {m} | {mean[m, 'none']:.4f} | {n:+.4f} | {e:+.4f} | {ratio} |")
+        data[f"H={H} M={m} naive penalty"], data[f"H={H} M={m} eager penalty"] = n, e
+    sections += [
+        "",
+        "Eager's own term is each replica's fresh pseudo-gradient over M; with more "
+        "replicas the update is mostly the stale average, as in the naive delay.",
+    ]
+    return sections, data

@@ -1,20 +1,28 @@
 """Running a fidelity study (:mod:`experiments.studies`): ``compare --sweep <study>``.
 
 The study's rows go through the comparison sweep in phases (a study whose later rows depend
-on earlier results adds them once those ran), under XLA's persistent compilation cache, and
-its report is written with :mod:`experiments.study_reports`.
+on earlier results adds them once those ran), in worker processes that emulate as many
+devices as the rows' meshes span, under XLA's persistent compilation cache; the report is
+written with :mod:`experiments.study_reports`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import math
+import multiprocessing
+import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 from experiments import config as config_lib
+from experiments.report import exit_status
 from experiments.studies import STUDIES, TITLES, seed_results, write_study
 
 
@@ -49,51 +57,167 @@ def command(args, parser, sweeper: Sweeper, reports) -> int:
     for target in targets:
         print(target.line())
     print(f"report: {out / 'report.md'} ({time.perf_counter() - began:.0f} s)")
-    failed = [r["label"] for r in rows if r["status"] == "failed"]
-    if failed:
-        print(f"co2jax compare: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(rows)
 
 
 def run_study(name, out, sweeper, reports, *, smoke=False, seeds=3, rerun=False):
     """Runs study ``name`` into ``out`` (finished runs reused unless ``rerun``) and writes its
     report with ``reports.<name>_report``; returns ``(rows, targets)``, the sweep's rows
-    (status per row) and the targets."""
+    (status per row) and the targets.
+
+    The runs go to worker processes, one per device count the rows' meshes span (each row's
+    ``mesh.replica x mesh.data x mesh.model``): on CPU a worker emulates exactly that many
+    devices, and fewer emulated devices run a small model's programs faster on a few cores
+    (docs/experiments.md). This process starts no JAX backend: it plans and validates every
+    row of a phase before any worker runs one, and reads the results from the run
+    directories. A worker that dies fails its unfinished rows, and the study goes on."""
     base = config_lib.override(config_lib.preset("cpu-tiny"), ["log.progress=false"])
     out = Path(out)
-    with _compile_cache(out / ".compile-cache"):
-        return _run_study(name, out, base, smoke, seeds, rerun, sweeper, reports)
+    with _term_is_interrupt(), Workers(out / ".compile-cache") as workers:
+        return _run_study(name, out, base, smoke, seeds, rerun, sweeper, reports, workers)
 
 
 @contextlib.contextmanager
-def _compile_cache(path: Path):
-    """XLA's persistent compilation cache in ``path`` while the study runs: the seeds of a
-    row compile the same programs (3x fewer compiles, most of a small model's run time), and
-    so does a study started again. The process's own settings come back afterwards."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache
+def _term_is_interrupt():
+    """SIGTERM (a job scheduler's stop) ends the study as Ctrl-C does: the workers are told,
+    finish their round and exit, rather than running on without this process."""
 
-    names = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
-    )
-    before = {name: getattr(jax.config, name) for name in names}
-    for name, value in zip(names, (str(path), 0.0, 0), strict=True):
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()  # the cache is set up at the first compile after this
+    def stop(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         yield
     finally:
-        for name, value in before.items():
-            jax.config.update(name, value)
-        compilation_cache.reset_cache()
+        signal.signal(signal.SIGTERM, previous)
 
 
-def _run_study(name, out, base, smoke, seeds, rerun, sweeper, reports):
+# workers running at once. One alone kept 1.3 to 1.6 of 2 cores busy, but two at once ran
+# the scaling study's first phase no faster on 2 cores (6.0 minutes against 5.7): raise it
+# on a machine with more cores
+LANES = 1
+
+
+def row_devices(cfg: config_lib.Config, default: int = 8) -> int:
+    """The devices a row's mesh spans (``default`` where a size is -1: it fills them)."""
+    sizes = (cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model)
+    return default if -1 in sizes else math.prod(sizes)
+
+
+class Workers:
+    """Worker processes by device count and lane, each started when first needed and kept for the
+    study's later phases (its imports and in-memory compiled programs stay warm). Each one
+    emulates its count of CPU devices and keeps XLA's persistent compilation cache in
+    ``cache``: the seeds of a row compile the same programs, and so does a study started
+    again."""
+
+    def __init__(self, cache: Path):
+        self.cache = cache
+        self._pools: dict[tuple, concurrent.futures.ProcessPoolExecutor] = {}
+        self._busy: set[tuple] = set()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for pool in self._pools.values():  # after an interrupt: each worker ends its round
+            pool.shutdown(wait=True, cancel_futures=True)
+        self._pools.clear()
+
+    def interrupt(self) -> None:
+        """Passes SIGINT on to the workers running a task (they are in process groups of
+        their own, so a terminal's Ctrl-C reaches only this process): each training driver
+        stops at its round's end, and its sweep raises KeyboardInterrupt."""
+        for key in list(self._busy):
+            pool = self._pools.get(key)
+            for pid in list(getattr(pool, "_processes", None) or {}):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGINT)
+
+    def call(self, devices: int, fn, *args, lane: int = 0):
+        """``fn(*args)`` in worker ``lane`` of those with ``devices`` devices; its exception
+        re-raised here (``BrokenProcessPool`` where the worker died: the next call starts a
+        new one)."""
+        key = devices, lane
+        pool = self._pools.get(key)
+        if pool is None:
+            context = multiprocessing.get_context("spawn")  # a fork would copy JAX's threads
+            pool = concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=context, initializer=_worker_init, initargs=(devices, self.cache)
+            )
+            self._pools[key] = pool
+        self._busy.add(key)
+        try:
+            return pool.submit(fn, *args).result()
+        except concurrent.futures.process.BrokenProcessPool:
+            del self._pools[key]
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        finally:
+            self._busy.discard(key)
+
+
+def _worker_init(devices: int, cache: Path) -> None:
+    """A worker's JAX settings, before its backend starts: ``devices`` emulated CPU devices
+    (where it runs on CPU) and the persistent compilation cache. The worker leaves the
+    terminal's process group: an interrupt reaches it once, from :meth:`Workers.interrupt`
+    (in a run the training driver stops at the round's end; between runs it raises)."""
     import jax
 
+    if hasattr(os, "setpgrp"):
+        os.setpgrp()
+    jax.config.update("jax_num_cpu_devices", devices)
+    jax.config.update("jax_compilation_cache_dir", str(cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _sweep_in_worker(run_sweep, link, base, out, sweep, seeds):
+    return run_sweep(base, out, link(), sweep=sweep, seeds=seeds, report=False)
+
+
+def _run_phase(sweep, plan, base, out, seeds, sweeper, workers) -> list[dict]:
+    """The phase's rows: each device count's rows dealt over ``LANES`` workers, at most
+    ``LANES`` running at once (fewest devices first); the sweep's row records in row order."""
+    groups: dict[int, list[int]] = {}
+    for i, entry in enumerate(plan):
+        groups.setdefault(row_devices(entry["runs"][0]["cfg"]), []).append(i)
+    tasks = [
+        (devices, lane, indices[lane::LANES])
+        for devices, indices in sorted(groups.items())
+        for lane in range(min(LANES, len(indices)))
+    ]
+
+    def run(task):
+        devices, lane, indices = task
+        part = [sweep[i] for i in indices]
+        try:
+            args = (sweeper.run_sweep, sweeper.link, base, out, part, seeds)
+            return indices, workers.call(devices, _sweep_in_worker, *args, lane=lane)
+        except concurrent.futures.process.BrokenProcessPool as e:
+            finished = seed_results([plan[i] for i in indices])
+            rows = [{"label": label, "status": "done"} for label, _ in part]
+            for row in rows:
+                if len(finished[row["label"]]) < seeds:
+                    row.update(status="failed", error=f"its worker ({devices} devices) died: {e}")
+            return indices, rows
+
+    swept: list[dict] = [{}] * len(plan)
+    with concurrent.futures.ThreadPoolExecutor(LANES) as lanes:
+        try:
+            for indices, rows in lanes.map(run, tasks):
+                for i, row in zip(indices, rows, strict=True):
+                    swept[i] = row
+        except KeyboardInterrupt:  # before the lanes are waited for: they wait on the workers
+            workers.interrupt()
+            raise
+    return swept
+
+
+def _run_study(name, out, base, smoke, seeds, rerun, sweeper, reports, workers):
     if rerun:  # every run again: the earlier ones go first, so no phase reuses them
         import shutil
 
@@ -101,15 +225,8 @@ def _run_study(name, out, base, smoke, seeds, rerun, sweeper, reports):
     rows, results, done = STUDIES[name](smoke), None, set()
     while True:  # a study whose later rows depend on earlier ones adds them once those ran
         sweep = [(r.label, list(r.overrides)) for r in rows]
-        swept = sweeper.run_sweep(
-            base,
-            out,
-            sweeper.link(),
-            sweep=sweep,
-            seeds=seeds,
-            report=False,
-        )
-        plan = sweeper.plan_sweep(base, out, sweep, seeds, jax.device_count())
+        plan = sweeper.plan_sweep(base, out, sweep, seeds)  # every row checked before any runs
+        swept = _run_phase(sweep, plan, base, out, seeds, sweeper, workers)
         results = seed_results(plan)
         done |= {r.label for r in rows}
         rows = STUDIES[name](smoke, results)

@@ -195,7 +195,30 @@ def test_tensorboard_and_progress(tmp_path, capsys):
     for key in ("penalty_scale", "cosine_to_mean", "inner_lr", "skipped", "collective"):
         assert key in record
     assert json.loads(record)["clip_fraction"] > 0.9  # round 2 applies the first average
+    # the logged inner lr (a table evaluated once) is the schedule at each round's end
+    schedule = train.build(cfg).schedule
+    H = cfg.train.sync_every
+    for line in (tmp_path / "micro" / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        assert rec["inner_lr"] == pytest.approx(float(schedule(rec["round"] * H)), rel=1e-6)
     assert "micro" in capsys.readouterr().err  # the tqdm bar
+
+
+def test_consensus_distance_is_recorded_with_each_eval(tmp_path):
+    import co2jax
+
+    # NoLoCo's replicas differ by design: a nonzero distance, on eval rounds only
+    cfg = _micro(tmp_path, "outer.algorithm=noloco", "train.rounds=3", "eval.every=2")
+    result = train.train(cfg)
+    lines = (tmp_path / "micro" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(x) for x in lines]
+    assert [("consensus_distance" in r, "eval_loss" in r) for r in records] == [
+        (False, False),
+        (True, True),
+        (True, True),  # the last round
+    ]
+    expected = float(co2jax.consensus_distance(result.state.params))
+    assert records[-1]["consensus_distance"] == pytest.approx(expected) and expected > 0
 
 
 def test_config_implementations_are_the_kernels():
