@@ -325,11 +325,12 @@ def run_sweep(
     plan = plan_sweep(base, out, sweep, seeds, jax.device_count(), fixes, command_line)
     rows = [_base_row(entry, out) for entry in plan]
     try:
-        for i, entry in enumerate(plan):
-            rows[i] = row = _run_row(entry, out, link, rerun)
-            print(progress_line(row, seeds), flush=True)
-            if report:
-                write_report(rows, base, out, link)
+        with train.shared_programs():  # a row's seeds run one set of compiled programs
+            for i, entry in enumerate(plan):
+                rows[i] = row = _run_row(entry, out, link, rerun)
+                print(progress_line(row, seeds), flush=True)
+                if report:
+                    write_report(rows, base, out, link)
     except KeyboardInterrupt:
         if report:
             write_report(rows, base, out, link, interrupted=True)

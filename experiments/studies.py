@@ -158,6 +158,7 @@ def _diloco_row(cell: dict, base: list[str], m: int, H: int, lr: float) -> Row:
             *base,
             "outer.algorithm=diloco",
             f"outer.learning_rate={lr}",
+            "outer.lr_in_state=true",  # the outer lrs at one (size, M, H) share one program
             *_mesh(m),
             *_schedule(cell["steps"], H),
         ),
@@ -271,7 +272,7 @@ def eager_rows(smoke: bool = False, results: dict | None = None) -> list[Row]:
                 f"outer.learning_rate={EAGER_OUTER_LR}",
                 *overrides,
             ),
-            {"H": H, "variant": key, "M": m},
+            {"H": H, "variant": key, "M": m, "size": "smoke" if smoke else EAGER_SIZE},
         )
 
     rows = [

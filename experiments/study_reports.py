@@ -277,7 +277,9 @@ def eager_report(rows, results, out: Path):
     loss = {(r.meta["H"], r.meta["variant"]): final_losses(results.get(r.label, [])) for r in rows}
     mean = {k: mean_sd(v)[0] for k, v in loss.items()}
     penalty = {(H, k): mean[H, k] - mean[H, "none"] for H in Hs for k in keys if k != "none"}
-    sections = [f"## Final eval loss (M = {EAGER_REPLICAS}, {EAGER_SIZE} parameters)", ""]
+    size = {r.meta.get("size", EAGER_SIZE) for r in rows} or {EAGER_SIZE}
+    model = ", ".join(sorted(size)) + " parameters" if "smoke" not in size else "the smoke model"
+    sections = [f"## Final eval loss (M = {EAGER_REPLICAS}, {model})", ""]
     sections += ["| H | " + " | ".join(names[k] for k in keys) + " |"]
     sections += ["|---" * (1 + len(keys)) + "|"]
     for H in Hs:

@@ -95,10 +95,15 @@ def _term_is_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-# workers running at once. One alone kept 1.3 to 1.6 of 2 cores busy, but two at once ran
-# the scaling study's first phase no faster on 2 cores (6.0 minutes against 5.7): raise it
-# on a machine with more cores
-LANES = 1
+# workers running at once. On 2 cores, two ran the scaling study's first phase (DP, bound by
+# arithmetic) no faster than one (6.0 minutes against 5.7), but its H = 1 rows, bound by
+# each round's dispatch and collectives, 31% faster (80k parameters, M = 4, 3 seeds twice:
+# 52 s at once against 76 s one after the other)
+LANES = 2
+# an override that does not change a row's compiled programs where the row keeps it in the
+# state (outer.lr_in_state): rows that differ only in it go to one worker, one after the
+# other, so that the later ones find the first one's programs in the persistent cache
+_SAME_PROGRAM = "outer.learning_rate="
 
 
 def row_devices(cfg: config_lib.Config, default: int = 8) -> int:
@@ -181,15 +186,27 @@ def _sweep_in_worker(run_sweep, link, base, out, sweep, seeds):
 
 def _run_phase(sweep, plan, base, out, seeds, sweeper, workers) -> list[dict]:
     """The phase's rows: each device count's rows dealt over ``LANES`` workers, at most
-    ``LANES`` running at once (fewest devices first); the sweep's row records in row order."""
-    groups: dict[int, list[int]] = {}
+    ``LANES`` running at once (fewest devices first); the sweep's row records in row order.
+    Rows that differ only in a learning rate share a worker (:data:`_SAME_PROGRAM`)."""
+    groups: dict[int, dict[tuple, list[int]]] = {}
     for i, entry in enumerate(plan):
-        groups.setdefault(row_devices(entry["runs"][0]["cfg"]), []).append(i)
-    tasks = [
-        (devices, lane, indices[lane::LANES])
-        for devices, indices in sorted(groups.items())
-        for lane in range(min(LANES, len(indices)))
-    ]
+        same = tuple(o for o in entry["overrides"] if not o.startswith(_SAME_PROGRAM))
+        by_program = groups.setdefault(row_devices(entry["runs"][0]["cfg"]), {})
+        by_program.setdefault(same, []).append(i)
+
+    def steps(indices):  # a group's inner steps: the lanes get about as many each
+        trains = [plan[i]["runs"][0]["cfg"].train for i in indices]
+        return sum(t.rounds * t.sync_every for t in trains)
+
+    tasks = []
+    for devices, by_program in sorted(groups.items()):
+        dealt = [[] for _ in range(min(LANES, len(by_program)))]
+        load = [0] * len(dealt)
+        for indices in sorted(by_program.values(), key=steps, reverse=True):
+            lane = load.index(min(load))  # the longest group first, to the least loaded lane
+            dealt[lane] += indices
+            load[lane] += steps(indices)
+        tasks += [(devices, lane, sorted(indices)) for lane, indices in enumerate(dealt)]
 
     def run(task):
         devices, lane, indices = task

@@ -13,8 +13,8 @@ data position is the round index, so a resumed run sees the same batches).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import functools
 import math
 import os
 import shlex
@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -34,7 +33,7 @@ import co2jax
 from co2jax.algorithms import registry
 from co2jax.fragments import make_fragments
 from experiments import checkpoints as ckpt_lib
-from experiments import checks, rundir
+from experiments import checks, round_stats, rundir
 from experiments import config as config_lib
 from experiments import data as data_lib
 from experiments import model as model_lib
@@ -83,10 +82,70 @@ def build_outer(
     return registry.build(o, context)
 
 
+class _Programs(NamedTuple):
+    """What a run builds that its seed does not change: the compiled programs live here."""
+
+    trainer: Any
+    streams: Any
+    model: Any  # the model's config (its parameters come from the seed)
+    graphdef: Any
+    loss_fn: Any
+    eval_fn: Any
+    schedule: Any
+
+
+# None: every build makes its own programs; a dict (inside shared_programs()): the programs of
+# the last few configs that differ only in their seed, name or output settings
+_SHARED: dict | None = None
+_SHARED_KEEP = 2
+
+
+@contextlib.contextmanager
+def shared_programs():
+    """Inside it, runs whose configs differ only in ``train.seed``, ``name``, ``log`` and
+    ``checkpoint`` share one trainer, data streams and eval program, so a sweep's seeds
+    compile and trace their round program once (the seed only sets the initial parameters).
+    The last two such configs are kept. On the CPU mesh at 140k parameters, M = 8, the
+    second seed of a row spent 2 to 3 s retracing and loading its round program
+    (docs/experiments.md)."""
+    global _SHARED
+    outer, _SHARED = _SHARED, ({} if _SHARED is None else _SHARED)
+    try:
+        yield
+    finally:
+        _SHARED = outer
+
+
+def _programs_key(cfg: config_lib.Config) -> str:
+    same = dataclasses.replace(
+        cfg,
+        name="",
+        train=dataclasses.replace(cfg.train, seed=0),
+        log=config_lib.Config().log,
+        checkpoint=config_lib.Config().checkpoint,
+    )
+    return config_lib.to_json(same)
+
+
 def build(cfg: config_lib.Config) -> Run:
     """Everything a run needs; raises ValueError for a bad config before compiling."""
     _setup_devices(cfg)
     checks.validate(cfg, jax.device_count())
+    key = _programs_key(cfg) if _SHARED is not None else None
+    p = _SHARED.get(key) if key is not None else None
+    if p is None:
+        p, params = _build_programs(cfg)
+        if key is not None:
+            _SHARED[key] = p
+            while len(_SHARED) > _SHARED_KEEP:
+                del _SHARED[next(iter(_SHARED))]
+    else:
+        params = model_lib.init_params(p.model, cfg.train.seed)[1]
+    return Run(cfg, p.trainer, p.streams, p.graphdef, params, p.loss_fn, p.eval_fn, p.schedule)
+
+
+def _build_programs(cfg: config_lib.Config) -> tuple[_Programs, Any]:
+    """The programs of ``cfg`` and its initial parameters."""
     t, i = cfg.train, cfg.inner
     streams = data_lib.make_streams(
         dataclasses.asdict(cfg.data),
@@ -137,43 +196,8 @@ def build(cfg: config_lib.Config) -> Run:
         )
     )
     eval_batch = jax.device_put(streams.eval_batch(cfg.eval.batch), NamedSharding(mesh, P()))
-    return Run(cfg, trainer, streams, graphdef, params, loss_fn, (eval_fn, eval_batch), schedule)
-
-
-def _clip_fraction(state, threshold: float | None) -> float | None:
-    """Fraction of CO2 momentum elements at the clip bound."""
-    if threshold is None:
-        return None
-
-    inner = getattr(state.outer_state, "inner_state", state.outer_state)
-    momentum = getattr(getattr(inner, "outer_state", None), "momentum", None)
-    if momentum is None:
-        return None
-    return float(_at_bound()(momentum, threshold * (1 - 1e-6)))
-
-
-@functools.cache
-def _at_bound():
-    """A jitted fraction of elements with |m| >= bound, computed on device: the momentum is
-    parameter-sized and stays where it is."""
-
-    def fraction(momentum, bound):
-        leaves = jax.tree.leaves(momentum)
-        at = sum(jnp.sum(jnp.abs(x) >= bound) for x in leaves)
-        return at / max(1, sum(x.size for x in leaves))
-
-    return jax.jit(fraction, static_argnums=1)
-
-
-def _penalty_scale(state) -> float | None:
-    inner = getattr(state.outer_state, "inner_state", state.outer_state)
-    scale = getattr(getattr(inner, "outer_state", None), "penalty_scale", None)
-    return None if scale is None else float(np.asarray(scale).mean())
-
-
-def _skipped(state) -> int | None:
-    n = getattr(state.outer_state, "num_skipped", None)
-    return None if n is None else int(np.asarray(n).max())
+    evaluate = (eval_fn, eval_batch)
+    return _Programs(trainer, streams, mcfg, graphdef, loss_fn, evaluate, schedule), params
 
 
 class Result(NamedTuple):
@@ -235,18 +259,20 @@ def train(
     eval_fn, eval_batch = run.eval_fn
     every_step = registry.REGISTRY[cfg.outer.algorithm].capabilities.every_step
     step_bytes = registry.REGISTRY[cfg.outer.algorithm].step_bytes
-    consensus = jax.jit(co2jax.consensus_distance)  # 0 unless replicas keep their own anchors
+    consensus = round_stats.consensus()  # 0 unless replicas keep their own anchors
     # the inner lr at each round's end, evaluated once (op by op, a schedule costs a few
     # dispatches a round: more than a small model's round on CPU)
     inner_lrs = np.asarray(jax.vmap(run.schedule)(np.arange(1, t.rounds + 1) * H))
-    saved, skipped_run, last_skipped = (start or None), 0, _skipped(state) or 0
+    saved, skipped_run, last_skipped = (start or None), 0, round_stats.skipped(state) or 0
     try:
         with rundir.Signals() as signals:
             end = t.rounds if stop_after is None else min(t.rounds, stop_after)
+            batch = streams.round_batch(start) if start < end else None
             for k in range(start, end):
-                batch = streams.round_batch(k)
                 began = time.perf_counter()
                 state, metrics = trainer.round(state, batch)
+                if k + 1 < end:  # the next round's tokens are drawn while this one computes
+                    batch = streams.round_batch(k + 1)
                 metrics = jax.device_get(metrics)
                 seconds = time.perf_counter() - began
                 bytes_round = float(np.asarray(metrics.bytes_communicated)[0])
@@ -267,9 +293,9 @@ def train(
                     "seconds": seconds,
                     "tokens_per_s": tokens_per_round / seconds,
                     "inner_lr": float(inner_lrs[k]),
-                    "skipped": _skipped(state),
-                    "clip_fraction": _clip_fraction(state, cfg.outer.clip_threshold),
-                    "penalty_scale": _penalty_scale(state),
+                    "skipped": round_stats.skipped(state),
+                    "clip_fraction": round_stats.clip_fraction(state, cfg.outer.clip_threshold),
+                    "penalty_scale": round_stats.penalty_scale(state),
                     "collective": "in the inner transform (every step)"
                     if every_step
                     else f"{trainer.reducer_kind} ({len(trainer.transfers)} per round)",

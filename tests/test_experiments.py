@@ -221,6 +221,42 @@ def test_consensus_distance_is_recorded_with_each_eval(tmp_path):
     assert records[-1]["consensus_distance"] == pytest.approx(expected) and expected > 0
 
 
+def test_shared_programs_run_each_seed_as_a_build_of_its_own(tmp_path):
+    """Inside ``shared_programs`` the seeds of one config share a trainer (one compiled
+    round), and the second seed's records equal those of a run built on its own; another
+    config (a different H) gets a trainer of its own, and outside it nothing is shared."""
+    configs = {
+        name: _micro(tmp_path / name, *extra, f"name={name}")
+        for name, extra in (("s0", []), ("s1", ["train.seed=1"]), ("h", ["train.sync_every=3"]))
+    }
+    with train.shared_programs():
+        trainers = {name: train.build(cfg).trainer for name, cfg in configs.items()}
+        shared = {name: train.train(cfg).history for name, cfg in configs.items()}
+        assert train.build(configs["s1"]).trainer is trainers["s0"]
+    assert trainers["s0"] is trainers["s1"] and trainers["h"] is not trainers["s0"]
+    assert train.build(configs["s0"]).trainer is not train.build(configs["s1"]).trainer
+    alone = train.train(configs["s1"], overwrite=True).history
+    assert shared["s0"][-1]["eval_loss"] != shared["s1"][-1]["eval_loss"]  # the seed
+    drop = ("seconds", "tokens_per_s")
+    for a, b in zip(shared["s1"], alone, strict=True):
+        assert {k: v for k, v in a.items() if k not in drop} == {
+            k: v for k, v in b.items() if k not in drop
+        }
+
+
+def test_the_driver_trains_round_k_on_the_streams_batch_k(tmp_path):
+    """The driver draws round k + 1's tokens while round k computes: its losses are those of
+    a plain loop over ``streams.round_batch(k)``."""
+    cfg = _micro(tmp_path, "train.rounds=3", "eval.every=0")
+    with train.shared_programs():
+        history = train.train(cfg).history
+        run = train.build(cfg)
+        state = run.trainer.init(run.params)
+        for k, record in enumerate(history):
+            state, metrics = run.trainer.round(state, run.streams.round_batch(k))
+            assert record["train_loss"] == float(np.asarray(metrics.loss).mean())
+
+
 def test_config_implementations_are_the_kernels():
     import co2jax
 

@@ -128,9 +128,54 @@ def test_scheduled_streaming_diloco_runs_in_the_round_engine():
     assert np.abs(anchors[1] - anchors[0]).max() > 1e-3
 
 
+def _engine_round(problem, **fields):
+    """A RoundTrainer of DiLoCo on the 4 x 2 mesh, its initial state and one round's batch."""
+    params = jax.tree.map(lambda x: x[0], harness.initial_params(problem))
+    config = registry.OuterConfig(algorithm="diloco", **fields)
+    outer = registry.build(config, registry.Context(H, params, LR, rounds=3))
+    mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
+    from test_engine import engine_loss, textbook_batch
+
+    trainer = co2jax.RoundTrainer(engine_loss, optax.sgd(LR), outer, mesh, H)
+    state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
+    return trainer, state, textbook_batch(problem, H)
+
+
+def test_outer_hyperparameters_in_the_state_are_the_same_diloco():
+    """``lr_in_state``: the same trajectory as the fused constants (the textbook loop's, as
+    checked elsewhere), at two learning rates, with and without momentum."""
+    problem = tb.make_problem(replicas=4, examples=2, dim=16, seed=6)
+    assert fusable_of(osched.outer_transform("sgd", 0.7, 0.9, in_state=True)) is None
+    for fields in (dict(learning_rate=0.7), dict(learning_rate=0.3, momentum=0.0)):
+        got, _ = harness.run_vmap(_build(problem, lr_in_state=True, **fields), problem, LR, H, 4)
+        want, _ = harness.run_vmap(_build(problem, **fields), problem, LR, H, 4)
+        np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_outer_hyperparameters_in_the_state_make_one_program_for_every_value():
+    """The compiled round of two outer learning rates and momenta is one program (the same
+    HLO) with ``lr_in_state``, and two without it; the rounds differ as their lrs do."""
+    problem = tb.make_problem(replicas=4, examples=2, dim=16, seed=7)
+    texts, anchors = {}, {}
+    for in_state in (True, False):
+        for lr, momentum in ((0.7, 0.9), (0.2, 0.5)):
+            fields = dict(learning_rate=lr, momentum=momentum, lr_in_state=in_state)
+            trainer, state, batch = _engine_round(problem, **fields)
+            texts[in_state, lr] = trainer.lower(state, trainer.place_batch(batch)).as_text()
+            state, _ = trainer.round(state, batch)
+            anchors[in_state, lr] = harness.flatten(jax.device_get(state.params))
+    assert texts[True, 0.7] == texts[True, 0.2]
+    assert texts[False, 0.7] != texts[False, 0.2]  # the constants are in the program
+    for lr in (0.7, 0.2):
+        np.testing.assert_allclose(anchors[True, lr], anchors[False, lr], **TOL)
+    assert np.abs(anchors[True, 0.7] - anchors[True, 0.2]).max() > 1e-3
+
+
 @pytest.mark.parametrize(
     ("fields", "match"),
     [
+        (dict(lr_in_state=True, implementation="pallas"), "outer.lr_in_state=True: outer"),
+        (dict(algorithm="co2", lr_in_state=True), "outer.lr_in_state=True: applies to"),
         (dict(optimizer="lamb"), "outer.optimizer='lamb'"),
         (dict(lr_schedule="step"), "outer.lr_schedule='step'"),
         (dict(lr_warmup=-1), "outer.lr_warmup=-1"),

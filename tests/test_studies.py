@@ -122,6 +122,10 @@ def test_eager_targets(tmp_path):
         assert data[f"H=30 M={m} eager penalty"] == pytest.approx(0.003 + 0.01 * m)
         assert data[f"H=30 M={m} naive penalty"] == pytest.approx(0.04)
     assert "| 2 | 2.0000 | +0.0400 | +0.0230 | 1.7x |" in sections
+    assert "## Final eval loss (M = 8, 140k parameters)" in sections
+    smoke = studies.eager_rows(smoke=True)
+    sections, _, _ = study_reports.eager_report(smoke, _fake(smoke, lambda m: 2.0), tmp_path)
+    assert "## Final eval loss (M = 8, the smoke model)" in sections
     flat = _fake(rows, lambda m: loss(m, naive_growth=False, eager=0.006))
     _, targets, _ = study_reports.eager_report(rows, flat, tmp_path)
     assert [t.held for t in targets] == [False, False]  # flat, and 0.02 < 5 x 0.006

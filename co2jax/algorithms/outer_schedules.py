@@ -88,13 +88,18 @@ def outer_transform(
     nesterov: bool = True,
     b2: float = 0.99,
     eps: float = 1e-8,
+    in_state: bool = False,
 ) -> optax.GradientTransformation:
     """The outer optax transform ``optimizer`` names, with constant or scheduled
     hyper-parameters (functions of the outer step).
 
     ``"sgd"``: ``optax.sgd(learning_rate, momentum, nesterov)`` (momentum 0: plain SGD);
-    with constants this is :func:`co2jax.outer_sgd`, runnable by the fused kernel.
-    ``"adam"``: ``optax.adam(learning_rate, b1=momentum, b2=b2, eps=eps)``.
+    with constants this is :func:`co2jax.outer_sgd`, runnable by the fused kernel, unless
+    ``in_state``: then the constants are values in the optimizer state
+    (``optax.inject_hyperparams``), inputs of a compiled round rather than constants in it,
+    so runs that differ only in them share one compiled program (the step is not fused).
+    ``"adam"``: ``optax.adam(learning_rate, b1=momentum, b2=b2, eps=eps)``, its
+    hyper-parameters always in its state.
 
     Example:
       >>> import jax.numpy as jnp
@@ -110,7 +115,7 @@ def outer_transform(
     if optimizer == "adam":
         b2 = check_unit_interval("b2", b2)
         return optax.inject_hyperparams(optax.adam)(learning_rate, b1=momentum, b2=b2, eps=eps)
-    if not scheduled:
+    if not scheduled and not in_state:
         m = momentum or None  # 0: plain SGD (Nesterov then means nothing)
         return outer_sgd(learning_rate, m, nesterov=nesterov and m is not None)
 

@@ -71,6 +71,9 @@ class OuterConfig:
     lr_final: float = 0.0  # decayed learning rate at the last round, a fraction of the peak
     momentum_warmup: int = 0  # outer steps of linear momentum ramp from 0
     beta2: float = 0.99  # outer Adam's second-moment decay
+    # the outer lr and momentum as optimizer state, not constants of the compiled round:
+    # runs that differ only in them share one program (a sweep compiles once); not fused
+    lr_in_state: bool = False
     delay: int = 1
     clip_threshold: float | None = None
     penalty: str = "none"
@@ -165,7 +168,9 @@ def _sgd(o: OuterConfig, c: Context):
         o.learning_rate, o.lr_schedule, warmup=o.lr_warmup, rounds=c.rounds, final=o.lr_final
     )
     momentum = momentum_schedule(o.momentum, o.momentum_warmup)
-    return outer_transform(o.optimizer, lr, momentum, nesterov=o.nesterov, b2=o.beta2)
+    return outer_transform(
+        o.optimizer, lr, momentum, nesterov=o.nesterov, b2=o.beta2, in_state=o.lr_in_state
+    )
 
 
 def _slowmo(o: OuterConfig, c: Context, reduce) -> OuterOptimizer:
@@ -324,9 +329,13 @@ def validate(o: OuterConfig, sync_every: int | None = None) -> OuterConfig:
         _fail("lr_final", o.lr_final, "must be in [0, 1] (a fraction of learning_rate)")
     if not 0 <= o.beta2 < 1:
         _fail("beta2", o.beta2, "must be in [0, 1)")
+    if o.lr_in_state and o.implementation in ("pallas", "interpret"):
+        why = "outer hyper-parameters held in the state are not fused: implementation auto or xla"
+        _fail("lr_in_state", o.lr_in_state, f"{why} (implementation={o.implementation!r})")
     default = OuterConfig()
     if not caps.outer_transform:
-        for name in ("optimizer", "lr_schedule", "lr_warmup", "lr_final", "momentum_warmup"):
+        names = ("optimizer", "lr_schedule", "lr_warmup", "lr_final", "momentum_warmup")
+        for name in (*names, "lr_in_state"):
             if getattr(o, name) != getattr(default, name):
                 takes = tuple(n for n, e in REGISTRY.items() if e.capabilities.outer_transform)
                 _fail(name, getattr(o, name), f"applies to {takes}")

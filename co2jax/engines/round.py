@@ -45,6 +45,7 @@ from co2jax.axes import DATA, REPLICA
 from co2jax.comm import chunks, policy
 from co2jax.comm.participation import check_participation, weighted
 from co2jax.comm.reducer import values
+from co2jax.engines.batches import check_batch
 from co2jax.engines.execute import Carry, RoundSchedule, _like
 from co2jax.engines.sharding import Layout
 from co2jax.kernels.api import target_backend
@@ -176,6 +177,8 @@ class RoundTrainer:
         self._check_vma = bool(check_vma)
         self.exclude_nonfinite = bool(exclude_nonfinite)
         self._compiled: dict = {}
+        self._inits: dict = {}
+        self._checked: set = set()
 
     # ------------------------------------------------------------------------------------
     # state
@@ -214,45 +217,22 @@ class RoundTrainer:
 
     def init(self, params: optax.Params) -> TrainState:
         """Every replica starts from ``params`` (one replica's parameters, no leading axis)."""
-        abstract = jax.eval_shape(self._init_unplaced, params)
-        shardings = self._shardings(self.state_specs(abstract))
-        return jax.jit(self._init_unplaced, out_shardings=shardings)(params)
+        key = jax.tree.structure(params), tuple((x.shape, x.dtype) for x in jax.tree.leaves(params))
+        if key not in self._inits:  # one program per parameter shapes: a new seed reuses it
+            abstract = jax.eval_shape(self._init_unplaced, params)
+            shardings = self._shardings(self.state_specs(abstract))
+            self._inits[key] = jax.jit(self._init_unplaced, out_shardings=shardings)
+        return self._inits[key](params)
 
     # ------------------------------------------------------------------------------------
     # validation
 
     def check_batch(self, state: TrainState, batch: Any) -> None:
         """Raises ``ValueError`` unless every batch leaf is ``[replica, H, B, ...]``, D | B,
-        and ``loss_fn`` returns a scalar on one device's slice."""
-        leaves = jax.tree_util.tree_leaves_with_path(batch)
-        if not leaves:
-            raise ValueError("batch must have at least one array leaf")
-        for path, leaf in leaves:
-            shape = tuple(jnp.shape(leaf))
-            name = jax.tree_util.keystr(path) or "batch"
-            if len(shape) < 3:
-                raise ValueError(
-                    f"batch leaf {name} must be [replica, H, batch, ...], got shape {shape}"
-                )
-            if shape[0] != self.replicas or shape[1] != self.sync_every:
-                raise ValueError(
-                    f"batch leaf {name} has shape {shape}: its leading dims must be "
-                    f"(replica={self.replicas}, H={self.sync_every}, ...)"
-                )
-            if shape[2] % self.data:
-                raise ValueError(
-                    f"batch leaf {name} has shape {shape}: its batch dim {shape[2]} must be a "
-                    f"multiple of the data axis size {self.data}"
-                )
-        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
-        one = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((x.shape[2] // self.data, *x.shape[3:]), x.dtype), batch
-        )
-        out = jax.eval_shape(self.loss_fn, params, one)
-        if not (hasattr(out, "shape") and out.shape == ()):
-            raise ValueError(
-                f"loss_fn must return a scalar, got {getattr(out, 'shape', type(out).__name__)}"
-            )
+        and ``loss_fn`` returns a scalar on one device's slice
+        (:func:`co2jax.engines.batches.check_batch`)."""
+        args = self.replicas, self.sync_every, self.data, self.loss_fn, self._checked
+        check_batch(state.params, batch, *args)
 
     # ------------------------------------------------------------------------------------
     # the schedule, as segment events
@@ -414,8 +394,8 @@ class RoundTrainer:
 
     def _get(self, state, part=(None, None)):
         flags = tuple(x is not None for x in part)
-        shapes = tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
-        key = jax.tree.structure(state), shapes, flags
+        leaves, tree = jax.tree.flatten(state)
+        key = tree, tuple((x.shape, x.dtype) for x in leaves), flags
         if key not in self._compiled:
             self._compiled[key] = self.round_fn(state, *flags)
         return self._compiled[key]

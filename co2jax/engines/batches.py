@@ -1,0 +1,55 @@
+"""The round engine's check of a round's batch against the mesh, H and the loss.
+
+A batch is a pytree of ``[replica, H, B, ...]`` leaves, B a multiple of the ``data`` axis
+size; the loss must return a scalar on one device's slice. The shape checks run on every
+round; the loss is traced once per parameter and batch shapes (a trace costs more than a
+small model's round).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def check_batch(params: Any, batch: Any, replicas: int, H: int, data: int, loss_fn, checked):
+    """Raises ``ValueError`` naming the leaf and its shape where ``batch`` does not fit;
+    ``params`` are the replica-stacked parameters, ``checked`` a set of shapes already
+    traced (a refused batch is not added)."""
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+        raise ValueError("batch must have at least one array leaf")
+    for path, leaf in leaves:
+        shape = tuple(jnp.shape(leaf))
+        name = jax.tree_util.keystr(path) or "batch"
+        if len(shape) < 3:
+            raise ValueError(
+                f"batch leaf {name} must be [replica, H, batch, ...], got shape {shape}"
+            )
+        if shape[0] != replicas or shape[1] != H:
+            raise ValueError(
+                f"batch leaf {name} has shape {shape}: its leading dims must be "
+                f"(replica={replicas}, H={H}, ...)"
+            )
+        if shape[2] % data:
+            raise ValueError(
+                f"batch leaf {name} has shape {shape}: its batch dim {shape[2]} must be a "
+                f"multiple of the data axis size {data}"
+            )
+    flat, tree = jax.tree.flatten(params)
+    key = tree, jax.tree.structure(batch), *((jnp.shape(x), jnp.result_type(x)) for x in flat)
+    key += tuple((jnp.shape(x), jnp.result_type(x)) for _, x in leaves)
+    if key in checked:
+        return
+    one_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)
+    one = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[2] // data, *x.shape[3:]), x.dtype), batch
+    )
+    out = jax.eval_shape(loss_fn, one_params, one)
+    if not (hasattr(out, "shape") and out.shape == ()):
+        raise ValueError(
+            f"loss_fn must return a scalar, got {getattr(out, 'shape', type(out).__name__)}"
+        )
+    checked.add(key)
