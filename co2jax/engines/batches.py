@@ -14,6 +14,13 @@ import jax
 import jax.numpy as jnp
 
 
+def shapes_key(tree: Any) -> tuple:
+    """``tree``'s structure with each leaf's shape and dtype: what a traced program of it
+    depends on (the engine keys its compiled inits and rounds and its batch checks on it)."""
+    leaves, structure = jax.tree.flatten(tree)
+    return structure, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
+
+
 def check_batch(params: Any, batch: Any, replicas: int, H: int, data: int, loss_fn, checked):
     """Raises ``ValueError`` naming the leaf and its shape where ``batch`` does not fit;
     ``params`` are the replica-stacked parameters, ``checked`` a set of shapes already
@@ -38,9 +45,7 @@ def check_batch(params: Any, batch: Any, replicas: int, H: int, data: int, loss_
                 f"batch leaf {name} has shape {shape}: its batch dim {shape[2]} must be a "
                 f"multiple of the data axis size {data}"
             )
-    flat, tree = jax.tree.flatten(params)
-    key = tree, jax.tree.structure(batch), *((jnp.shape(x), jnp.result_type(x)) for x in flat)
-    key += tuple((jnp.shape(x), jnp.result_type(x)) for _, x in leaves)
+    key = shapes_key(params), shapes_key(batch)
     if key in checked:
         return
     one_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)

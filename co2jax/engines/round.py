@@ -45,7 +45,7 @@ from co2jax.axes import DATA, REPLICA
 from co2jax.comm import chunks, policy
 from co2jax.comm.participation import check_participation, weighted
 from co2jax.comm.reducer import values
-from co2jax.engines.batches import check_batch
+from co2jax.engines.batches import check_batch, shapes_key
 from co2jax.engines.execute import Carry, RoundSchedule, _like
 from co2jax.engines.sharding import Layout
 from co2jax.kernels.api import target_backend
@@ -217,7 +217,7 @@ class RoundTrainer:
 
     def init(self, params: optax.Params) -> TrainState:
         """Every replica starts from ``params`` (one replica's parameters, no leading axis)."""
-        key = jax.tree.structure(params), tuple((x.shape, x.dtype) for x in jax.tree.leaves(params))
+        key = shapes_key(params)
         if key not in self._inits:  # one program per parameter shapes: a new seed reuses it
             abstract = jax.eval_shape(self._init_unplaced, params)
             shardings = self._shardings(self.state_specs(abstract))
@@ -394,8 +394,7 @@ class RoundTrainer:
 
     def _get(self, state, part=(None, None)):
         flags = tuple(x is not None for x in part)
-        leaves, tree = jax.tree.flatten(state)
-        key = tree, tuple((x.shape, x.dtype) for x in leaves), flags
+        key = shapes_key(state), flags
         if key not in self._compiled:
             self._compiled[key] = self.round_fn(state, *flags)
         return self._compiled[key]
