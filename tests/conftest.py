@@ -4,6 +4,9 @@ import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -19,10 +22,42 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` run only when asked for (``-m slow``, or any ``-m`` naming it)."""
+BUDGET = Path(__file__).with_name("budget.txt")
+
+
+def read_budget(path: Path = BUDGET) -> tuple[set[str], set[str]]:
+    """``budget.txt``'s two lists: whole tests run with ``-m slow`` only, and the cases of
+    parametrized tests that the default suite keeps (node ids as pytest prints them)."""
+    slow, quick = set(), set()
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        kind, _, node = line.partition(" ")
+        if kind not in ("slow", "quick") or not node:
+            raise ValueError(
+                f"{path.name}:{number}: expected 'slow NODE' or 'quick NODE', got {line!r}"
+            )
+        (slow if kind == "slow" else quick).add(node)
+    return slow, quick
+
+
+def budget_marks(items, slow: set[str], quick: set[str]) -> None:
+    """Marks ``slow`` the tests budget.txt names and the cases of its thinned grids that it
+    does not keep."""
     import pytest
 
+    grids = {node.split("[")[0] for node in quick}
+    for item in items:
+        base = item.nodeid.split("[")[0]
+        if base in slow or (base in grids and item.nodeid not in quick):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the marks
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` (in the file, or by budget.txt) run only when asked for
+    (``-m slow``, or any ``-m`` naming it)."""
+    budget_marks(items, *read_budget())
     if "slow" in (config.getoption("markexpr") or ""):
         return
     skip = pytest.mark.skip(reason="slow: run with -m slow")
