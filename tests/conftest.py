@@ -41,14 +41,17 @@ def read_budget(path: Path = BUDGET) -> tuple[set[str], set[str]]:
     return slow, quick
 
 
+def function_of(node: str) -> str:
+    """A node id without its parametrized case: ``f.py::test_g[a-b]`` -> ``f.py::test_g``."""
+    return node.split("[")[0]
+
+
 def budget_marks(items, slow: set[str], quick: set[str]) -> None:
     """Marks ``slow`` the tests budget.txt names and the cases of its thinned grids that it
     does not keep."""
-    import pytest
-
-    grids = {node.split("[")[0] for node in quick}
+    grids = {function_of(node) for node in quick}
     for item in items:
-        base = item.nodeid.split("[")[0]
+        base = function_of(item.nodeid)
         if base in slow or (base in grids and item.nodeid not in quick):
             item.add_marker(pytest.mark.slow)
 

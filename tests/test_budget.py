@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import read_budget
+from conftest import function_of, read_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,15 +27,18 @@ def test_every_budget_name_is_a_test_and_lands_on_its_side():
     slow, quick = read_budget()
     default, deliberate = _collected("not slow"), _collected("slow")
     assert default and deliberate and not default & deliberate
-    bases = {node.split("[")[0] for node in default | deliberate}
-    assert not slow - bases, f"budget.txt names tests that do not exist: {sorted(slow - bases)}"
+    by_test = {}
+    for node in default | deliberate:
+        by_test.setdefault(function_of(node), set()).add(node)
+    assert not slow - set(by_test), (
+        f"budget.txt names tests that do not exist: {sorted(slow - set(by_test))}"
+    )
     assert not quick - default, f"budget.txt keeps cases that do not run: {sorted(quick - default)}"
-    for base in slow:
-        assert not any(node.split("[")[0] == base for node in default), base
-    for grid in {node.split("[")[0] for node in quick}:
-        cases = {node for node in default | deliberate if node.split("[")[0] == grid}
-        assert cases - quick <= deliberate, grid
-        assert not slow & {grid}, f"{grid} is both slow and a thinned grid"
+    for name in slow:
+        assert by_test[name] <= deliberate, name
+    for grid in {function_of(node) for node in quick}:
+        assert grid not in slow, f"{grid} is both slow and a thinned grid"
+        assert by_test[grid] - quick <= deliberate, grid
 
 
 def test_a_malformed_budget_line_is_refused_with_its_line(tmp_path):
