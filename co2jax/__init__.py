@@ -15,6 +15,7 @@ Layers, each importing only the ones before it: ``co2jax.kernels`` (Pallas) <-
 from co2jax import (
     algorithms,
     comm,
+    compilation_cache,
     distributed,
     engines,
     fragments,
@@ -118,6 +119,7 @@ __all__ = [
     "cocodc",
     "scale_by_co2_momentum",
     "comm",
+    "compilation_cache",
     "data_parallel",
     "dct_diloco",
     "demo",

@@ -225,10 +225,11 @@ def scaling_rows(smoke: bool = False, results: dict | None = None) -> list[Row]:
 INNER_LR = 6e-3
 EAGER_HS = (10, 30, 100)
 EAGER_STEPS = 1800
-# one device per replica (the global batch of 16 as 8 x 2): with 4 replicas' batches split
-# over 2 data shards each, naive delayed DiLoCo's round program stalled twice in a row on
-# this 2-core machine (its replica-axis reduction and the data-axis ones waiting on each other
-# in XLA:CPU's collective rendezvous until the runtime aborted the process)
+# one device per replica (the global batch of 16 as 8 x 2). At 4 replicas x 2 data shards,
+# naive delayed DiLoCo's round program once stalled twice in a row (its replica-axis
+# reduction and the data-axis ones waiting on each other in XLA:CPU's rendezvous): it was
+# loaded from the persistent compilation cache, which loses the order of a CPU program's
+# collectives (co2jax.compilation_cache). The studies run without that cache now.
 EAGER_REPLICAS = 8
 # DiLoCo's best outer lr at 140k parameters, M = 8, H = 30 in the scaling study's first grid
 # (900 steps, outer lrs 0.2/0.4/0.7/1.0; docs/experiments.md)

@@ -2,7 +2,8 @@
 
 The study's rows go through the comparison sweep in phases (a study whose later rows depend
 on earlier results adds them once those ran), in worker processes that emulate as many
-devices as the rows' meshes span, under XLA's persistent compilation cache; the report is
+devices as the rows' meshes span (without XLA's persistent compilation cache, which is
+unsafe for multi-device CPU programs: :mod:`co2jax.compilation_cache`); the report is
 written with :mod:`experiments.study_reports`.
 """
 
@@ -73,7 +74,7 @@ def run_study(name, out, sweeper, reports, *, smoke=False, seeds=3, rerun=False)
     directories. A worker that dies fails its unfinished rows, and the study goes on."""
     base = config_lib.override(config_lib.preset("cpu-tiny"), ["log.progress=false"])
     out = Path(out)
-    with _term_is_interrupt(), Workers(out / ".compile-cache") as workers:
+    with _term_is_interrupt(), Workers() as workers:
         return _run_study(name, out, base, smoke, seeds, rerun, sweeper, reports, workers)
 
 
@@ -102,7 +103,7 @@ def _term_is_interrupt():
 LANES = 2
 # an override that does not change a row's compiled programs where the row keeps it in the
 # state (outer.lr_in_state): rows that differ only in it go to one worker, one after the
-# other, so that the later ones find the first one's programs in the persistent cache
+# other, so that the later ones run the first one's programs (train.shared_programs)
 _SAME_PROGRAM = "outer.learning_rate="
 
 
@@ -115,12 +116,9 @@ def row_devices(cfg: config_lib.Config, default: int = 8) -> int:
 class Workers:
     """Worker processes by device count and lane, each started when first needed and kept for the
     study's later phases (its imports and in-memory compiled programs stay warm). Each one
-    emulates its count of CPU devices and keeps XLA's persistent compilation cache in
-    ``cache``: the seeds of a row compile the same programs, and so does a study started
-    again."""
+    emulates its count of CPU devices."""
 
-    def __init__(self, cache: Path):
-        self.cache = cache
+    def __init__(self):
         self._pools: dict[tuple, concurrent.futures.ProcessPoolExecutor] = {}
         self._busy: set[tuple] = set()
 
@@ -151,7 +149,7 @@ class Workers:
         if pool is None:
             context = multiprocessing.get_context("spawn")  # a fork would copy JAX's threads
             pool = concurrent.futures.ProcessPoolExecutor(
-                1, mp_context=context, initializer=_worker_init, initargs=(devices, self.cache)
+                1, mp_context=context, initializer=_worker_init, initargs=(devices,)
             )
             self._pools[key] = pool
         self._busy.add(key)
@@ -165,9 +163,9 @@ class Workers:
             self._busy.discard(key)
 
 
-def _worker_init(devices: int, cache: Path) -> None:
+def _worker_init(devices: int) -> None:
     """A worker's JAX settings, before its backend starts: ``devices`` emulated CPU devices
-    (where it runs on CPU) and the persistent compilation cache. The worker leaves the
+    (where it runs on CPU). The worker leaves the
     terminal's process group: an interrupt reaches it once, from :meth:`Workers.interrupt`
     (in a run the training driver stops at the round's end; between runs it raises)."""
     import jax
@@ -175,9 +173,6 @@ def _worker_init(devices: int, cache: Path) -> None:
     if hasattr(os, "setpgrp"):
         os.setpgrp()
     jax.config.update("jax_num_cpu_devices", devices)
-    jax.config.update("jax_compilation_cache_dir", str(cache))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _sweep_in_worker(run_sweep, link, base, out, sweep, seeds):

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import co2jax
+from co2jax import compilation_cache
 from co2jax.algorithms import registry
 from co2jax.fragments import make_fragments
 from experiments import checkpoints as ckpt_lib
@@ -103,8 +104,10 @@ _SHARED_KEEP = 2
 @contextlib.contextmanager
 def shared_programs():
     """Inside it, runs whose configs differ only in ``train.seed``, ``name``, ``log`` and
-    ``checkpoint`` share one trainer, data streams and eval program, so a sweep's seeds
-    compile and trace their round program once (the seed only sets the initial parameters).
+    ``checkpoint`` (and, with ``outer.lr_in_state`` and a constant outer learning rate, in
+    ``outer.learning_rate``: :func:`train` puts it in the state) share one trainer, data
+    streams and eval program, so a sweep's seeds and outer learning rates compile and trace
+    their round program once (the seed only sets the initial parameters).
     The last two such configs are kept. On the CPU mesh at 140k parameters, M = 8, the
     second seed of a row spent 2 to 3 s retracing and loading its round program
     (docs/experiments.md)."""
@@ -116,21 +119,47 @@ def shared_programs():
         _SHARED = outer
 
 
+def _lr_in_state(o: config_lib.OuterConfig) -> bool:
+    """Whether the outer learning rate is a value in the state, not in the program (a
+    constant: a schedule's values are computed in the program)."""
+    return o.lr_in_state and o.lr_schedule == "constant" and o.lr_warmup == 0
+
+
 def _programs_key(cfg: config_lib.Config) -> str:
+    lr = 0.0 if _lr_in_state(cfg.outer) else cfg.outer.learning_rate
     same = dataclasses.replace(
         cfg,
         name="",
         train=dataclasses.replace(cfg.train, seed=0),
+        outer=dataclasses.replace(cfg.outer, learning_rate=lr),
         log=config_lib.Config().log,
         checkpoint=config_lib.Config().checkpoint,
     )
     return config_lib.to_json(same)
 
 
+def _with_outer_lr(state, cfg: config_lib.Config):
+    """``state`` with ``cfg``'s outer learning rate where the state holds it (a trainer
+    shared by :func:`shared_programs` was built with another run's)."""
+    if not _lr_in_state(cfg.outer):
+        return state
+    lr = cfg.outer.learning_rate
+
+    def put(path, x):  # optax.inject_hyperparams keeps it in a dict, one per outer transform
+        if getattr(path[-1], "key", None) != "learning_rate":
+            return x
+        return jax.device_put(np.full(x.shape, lr, x.dtype), x.sharding)
+
+    return state._replace(outer_state=jax.tree_util.tree_map_with_path(put, state.outer_state))
+
+
 def build(cfg: config_lib.Config) -> Run:
     """Everything a run needs; raises ValueError for a bad config before compiling."""
     _setup_devices(cfg)
     checks.validate(cfg, jax.device_count())
+    sizes = (cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model)
+    used = None if -1 in sizes else math.prod(sizes)  # the persistent cache off if unsafe:
+    compilation_cache.guard(jax.devices()[:used], disable=True)
     key = _programs_key(cfg) if _SHARED is not None else None
     p = _SHARED.get(key) if key is not None else None
     if p is None:
@@ -234,7 +263,7 @@ def train(
     run = build(cfg)
     trainer, streams, t = run.trainer, run.streams, cfg.train
 
-    state, start = trainer.init(run.params), 0
+    state, start = _with_outer_lr(trainer.init(run.params), cfg), 0
     manager = (
         ckpt_lib.Checkpoints(cfg.checkpoint.dir, cfg.checkpoint.keep)
         if cfg.checkpoint.dir

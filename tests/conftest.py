@@ -1,9 +1,6 @@
 """Test configuration: 8 emulated CPU devices, set once before any JAX backend starts."""
 
-import atexit
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,13 +10,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
-
-# One persistent compilation cache for the session: the drivers' tests build the same round
-# programs many times (a run, then its resume), and a cached executable is the same program.
-_CACHE = tempfile.mkdtemp(prefix="co2jax-test-xla-cache-")
-jax.config.update("jax_compilation_cache_dir", _CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+# No persistent compilation cache: a multi-device CPU program loaded from it can deadlock
+# (co2jax.compilation_cache; CO2's resume test did, every time).
 
 
 BUDGET = Path(__file__).with_name("budget.txt")

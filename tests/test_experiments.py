@@ -244,6 +244,33 @@ def test_shared_programs_run_each_seed_as_a_build_of_its_own(tmp_path):
         }
 
 
+def test_shared_programs_share_a_round_across_outer_lrs_held_in_the_state(tmp_path):
+    """With ``outer.lr_in_state``, runs that differ only in a constant outer lr share one
+    trainer, and each trains at its own lr: its records equal a run built on its own. A
+    warmed-up lr is computed in the program: no sharing there."""
+    common = ["outer.algorithm=diloco", "outer.lr_in_state=true", "train.rounds=2"]
+    configs = {
+        name: _micro(tmp_path / name, *common, *extra, f"name={name}")
+        for name, extra in (
+            ("a", ["outer.learning_rate=0.3"]),
+            ("b", ["outer.learning_rate=0.9"]),
+            ("warm", ["outer.learning_rate=0.9", "outer.lr_warmup=2"]),
+        )
+    }
+    with train.shared_programs():
+        trainers = {name: train.build(cfg).trainer for name, cfg in configs.items()}
+        shared = {name: train.train(cfg).history for name in ("a", "b") for cfg in [configs[name]]}
+    assert trainers["a"] is trainers["b"]
+    assert trainers["warm"] is not trainers["b"]
+    alone = train.train(configs["b"], overwrite=True).history
+    assert shared["a"][-1]["eval_loss"] != shared["b"][-1]["eval_loss"]  # the lr matters
+    drop = ("seconds", "tokens_per_s")
+    for a, b in zip(shared["b"], alone, strict=True):
+        assert {k: v for k, v in a.items() if k not in drop} == {
+            k: v for k, v in b.items() if k not in drop
+        }
+
+
 def test_the_driver_trains_round_k_on_the_streams_batch_k(tmp_path):
     """The driver draws round k + 1's tokens while round k computes: its losses are those of
     a plain loop over ``streams.round_batch(k)``."""

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 450
 # lowest first: a module may import modules of its own layer and of the layers before it
 LAYERS = [
-    ("base", ("co2jax._checks", "co2jax.axes", "co2jax.tree")),
+    ("base", ("co2jax._checks", "co2jax.axes", "co2jax.tree", "co2jax.compilation_cache")),
     ("kernels", ("co2jax.kernels",)),
     ("comm", ("co2jax.comm",)),
     (

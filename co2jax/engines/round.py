@@ -40,6 +40,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from co2jax import compilation_cache
 from co2jax._checks import check_transform
 from co2jax.axes import DATA, REPLICA
 from co2jax.comm import chunks, policy
@@ -168,6 +169,7 @@ class RoundTrainer:
         self.loss_fn, self.outer, self.mesh = loss_fn, outer, mesh
         self.replicas, self.data = mesh.shape[REPLICA], mesh.shape[DATA]
         self.platform = mesh.devices.flat[0].platform
+        compilation_cache.guard(mesh.devices.flat)  # a warning: unsafe on a CPU mesh
         self.layout = Layout(self.data, shard_outer_state, fsdp)
         self.fsdp = self.layout.fsdp
         self.reducers: tuple = ()  # per transfer, chosen when a program is built
