@@ -122,7 +122,7 @@ def _check_train(t: TrainConfig) -> None:
         )
 
 
-def _reads(o: OuterConfig) -> dict[str, tuple[bool, str, str]]:
+def reads(o: OuterConfig) -> dict[str, tuple[bool, str, str]]:
     """The outer fields only some settings read: ``(read here, when, what is set here)``."""
 
     def only(*names: str) -> tuple[bool, str, str]:
@@ -170,7 +170,7 @@ def _check_outer(config: Config, layers: int) -> None:
     except ValueError as e:
         raise _from_library(e) from None
     default = OuterConfig()
-    for name, (read, when, here) in _reads(o).items():
+    for name, (read, when, here) in reads(o).items():
         value = getattr(o, name)
         if not read and value != getattr(default, name):
             _fail(f"outer.{name}", value, f"ignored unless {when} (here {here})")

@@ -110,32 +110,15 @@ def _one_line(error: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# outer fields only one algorithm reads (``registry.OuterConfig``'s comments)
-_ONLY_FOR = {
-    "fragments": ("streaming_diloco", "cocodc"),
-    "tau": ("streaming_diloco", "cocodc"),
-    "alpha": ("streaming_diloco", "cocodc"),
-    "correction": ("cocodc",),
-    "hessian_scale": ("cocodc",),
-    "decay": ("sparseloco", "dct_diloco"),
-    "topk": ("sparseloco", "dct_diloco", "demo"),
-    "chunk": ("sparseloco",),
-    "dct_chunk": ("dct_diloco", "demo"),
-    "group_size": ("noloco",),
-    "rank": ("diloco_x",),
-    "factors": ("diloco_x",),
-}
-
-
 def _outer_hyper(cfg: config_lib.Config) -> dict:
     """The outer algorithm's fields that differ from the library's defaults (and its name),
-    less those only another algorithm reads."""
+    less those only other settings read (:func:`experiments.checks.reads`)."""
     default = dataclasses.asdict(registry.OuterConfig())
-    algorithm = cfg.outer.algorithm
+    reads = checks.reads(cfg.outer)
     return {
         k: v
         for k, v in dataclasses.asdict(cfg.outer).items()
-        if k == "algorithm" or (v != default[k] and algorithm in _ONLY_FOR.get(k, (algorithm,)))
+        if k == "algorithm" or (v != default[k] and reads.get(k, (True,))[0])
     }
 
 

@@ -173,7 +173,7 @@ def _die(*args, **kwargs):
 
 
 def test_a_dead_worker_fails_its_unfinished_rows_and_the_next_call_starts_another(tmp_path):
-    with study_run.Workers(tmp_path / "cache") as workers:
+    with study_run.Workers() as workers:
         with pytest.raises(BrokenProcessPool):
             workers.call(2, _die)
         assert workers.call(2, math.prod, [2, 3]) == 6

@@ -221,7 +221,7 @@ def int8_roundtrip(x, block):
 
 
 def streaming_nesterov(
-    problem, lr, H, rounds, fragments, tau, alpha, eta, mu, compress=None, decay=1.0
+    problem, lr, H, rounds, fragments, tau, alpha, eta, mu, compress=None, decay=1.0, weights=None
 ):
     """Streaming DiLoCo: fragment p (flat indices) applied after (p+1)*H//P steps, sent tau
     steps earlier; Nesterov per fragment on the global copy; merge alpha*local + (1-alpha)*
@@ -229,7 +229,8 @@ def streaming_nesterov(
 
     ``compress`` (a vector -> decoded vector function) sends each fragment with error
     feedback: at the send step ``t = Delta + decay * e; c = compress(t); e = t - c`` per
-    replica and fragment, and the mean of the ``c`` is applied ``tau`` steps later."""
+    replica and fragment, and the mean of the ``c`` is applied ``tau`` steps later.
+    ``weights`` (w[t][r] >= 0): round t's fragments are the w[t]-weighted means instead."""
     R, P = problem.replicas, len(fragments)
     e = [[np.zeros(len(idx)) for idx in fragments] for _ in range(R)]
     local = [problem.theta0.copy() for _ in range(R)]
@@ -238,7 +239,8 @@ def streaming_nesterov(
     apply_at = [(p + 1) * H // P for p in range(P)]
     send_at = [a - tau for a in apply_at]
     sent, out = {}, []
-    for _ in range(rounds):
+    for t in range(rounds):
+        w = np.ones(R) if weights is None else np.asarray(weights[t], np.float64)
         for k in range(H + 1):
             for p, idx in enumerate(fragments):
                 if send_at[p] == k:
@@ -248,7 +250,7 @@ def streaming_nesterov(
                             target = deltas[r] + decay * e[r][p]
                             deltas[r] = compress(target)
                             e[r][p] = target - deltas[r]
-                    sent[p] = np.mean(deltas, axis=0)
+                    sent[p] = sum(wr * d for wr, d in zip(w, deltas, strict=True)) / w.sum()
                 if apply_at[p] == k:
                     g = sent.pop(p)
                     b[p] = mu * b[p] + g

@@ -5,7 +5,7 @@ continues from the anchor the participants produce. Nothing here imports co2jax.
 from __future__ import annotations
 
 import numpy as np
-from textbook import _topk_ternary, inner_sgd
+from textbook import _topk_ternary, inner_sgd, streaming_nesterov
 
 
 def _weighted(xs, w):
@@ -33,28 +33,9 @@ def diloco(problem, lr, H, rounds, eta, mu, weights, steps=None, delay=0):
 def streaming(problem, lr, H, rounds, fragments, tau, alpha, eta, mu, weights):
     """Streaming DiLoCo (``textbook.streaming_nesterov``) with every fragment of round t
     reduced with weights w[t]."""
-    R, P = problem.replicas, len(fragments)
-    local = [problem.theta0.copy() for _ in range(R)]
-    glob = problem.theta0.copy()
-    b = [np.zeros(len(idx)) for idx in fragments]
-    apply_at = [(p + 1) * H // P for p in range(P)]
-    send_at = [a - tau for a in apply_at]
-    sent, out = {}, []
-    for t in range(rounds):
-        for k in range(H + 1):
-            for p, idx in enumerate(fragments):
-                if send_at[p] == k:
-                    sent[p] = _weighted([glob[idx] - local[r][idx] for r in range(R)], weights[t])
-                if apply_at[p] == k:
-                    g = sent.pop(p)
-                    b[p] = mu * b[p] + g
-                    glob[idx] = glob[idx] - eta * (g + mu * b[p])
-                    for r in range(R):
-                        local[r][idx] = alpha * local[r][idx] + (1 - alpha) * glob[idx]
-            if k < H:
-                local = [x - lr * problem.grad(r, x) for r, x in enumerate(local)]
-        out.append(np.stack(local))
-    return np.array(out)
+    return streaming_nesterov(
+        problem, lr, H, rounds, fragments, tau, alpha, eta, mu, weights=weights
+    )
 
 
 def sparseloco(problem, lr, H, rounds, alpha, beta, k, chunk, weights):
