@@ -111,7 +111,7 @@ def test_every_algorithm_runs_two_rounds(algorithm, tmp_path):
     assert (tmp_path / "micro" / "config.json").exists()
 
 
-@pytest.mark.parametrize("algorithm", ["diloco", pytest.param("co2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("algorithm", ["diloco", "co2"])
 def test_resume_is_bitwise_identical(algorithm, tmp_path):
     """4 rounds straight == 2 rounds, stop, resume for 2 more (delayed CO2 included).
 
