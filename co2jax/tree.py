@@ -71,6 +71,15 @@ def varying_axes(x: Any) -> frozenset | None:
     return None if kind is None else frozenset(kind.varying)
 
 
+def all_over_shards(ok: jax.Array, keep: frozenset = frozenset()) -> jax.Array:
+    """A boolean flag and-ed over every mesh axis it varies over inside ``shard_map``,
+    except those in ``keep``: a decision computed from shards (one shard's NaN, say) that
+    every device holding a piece of the value must take alike. Outside ``shard_map``, and
+    under ``shard_map(check_vma=False)`` (no varying-axis types), ``ok`` itself."""
+    axes = tuple(sorted((varying_axes(ok) or frozenset()) - keep))
+    return jax.lax.pmin(ok.astype(jnp.int32), axes) > 0 if axes else ok
+
+
 def varying_groups(leaves: list) -> tuple[tuple[int, ...], ...]:
     """Indices of ``leaves`` grouped by the mesh axes they vary over, in order of first
     appearance (one group outside ``shard_map``)."""

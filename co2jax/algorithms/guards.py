@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from co2jax.protocol import OuterOptimizer, Params
-from co2jax.tree import tree_all_finite, tree_select
+from co2jax.tree import all_over_shards, tree_all_finite, tree_select
 
 
 class SkipNonfiniteState(NamedTuple):
@@ -21,16 +21,6 @@ class SkipNonfiniteState(NamedTuple):
 
     inner_state: Any
     num_skipped: jax.Array
-
-
-def _everywhere(ok: jax.Array) -> jax.Array:
-    """``ok`` on every device that holds a piece of the decision: inside ``shard_map`` a flag
-    computed from shards (the round engine's ``shard_outer_state``) varies over their mesh
-    axes, and one shard's NaN must skip the step for all of them. Needs ``shard_map``'s
-    varying-axis types (``check_vma=True``)."""
-    kind = getattr(jax.typeof(ok), "manual_axis_type", None)
-    axes = tuple(sorted(kind.varying)) if kind is not None else ()
-    return jax.lax.pmin(ok.astype(jnp.int32), axes) > 0 if axes else ok
 
 
 def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
@@ -104,7 +94,8 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
 
     def apply(params: Params, state: SkipNonfiniteState, i: int, reduced: Any):
         new_params, new_inner = outer.apply(params, state.inner_state, i, reduced)
-        ok = _everywhere(tree_all_finite(reduced) & tree_all_finite(new_params))
+        # one shard's NaN skips the step for every shard (shard_outer_state), needs check_vma
+        ok = all_over_shards(tree_all_finite(reduced) & tree_all_finite(new_params))
         kept = state.inner_state
         # in-flight bookkeeping advances even on a skip: this round's pseudo-gradient is sent
         # as usual and the sync count keeps counting syncs

@@ -41,15 +41,9 @@ import numpy as np
 from co2jax._checks import check_choice
 from co2jax.axes import REPLICA, axis_size
 from co2jax.comm.reducer import Encoded, Payload, Reducer
-from co2jax.tree import tree_all_finite, varying_axes
+from co2jax.tree import all_over_shards, tree_all_finite
 
 WEIGHT_RULES = ("tokens", "tokens_squared_per_step")
-
-
-def _everywhere(ok: jax.Array) -> jax.Array:
-    """A per-replica flag decided over all of the replica's shards (inside ``shard_map``)."""
-    axes = tuple(sorted((varying_axes(ok) or frozenset()) - {REPLICA}))
-    return jax.lax.pmin(ok.astype(jnp.int32), axes) > 0 if axes else ok
 
 
 def _zero_where_out(payload: Payload, take: jax.Array) -> Payload:
@@ -91,7 +85,7 @@ def weighted(
             return payload
         w = jnp.asarray(weight, jnp.float32)
         if exclude_nonfinite:
-            w = jnp.where(_everywhere(tree_all_finite(payload)), w, 0.0)
+            w = jnp.where(all_over_shards(tree_all_finite(payload), {REPLICA}), w, 0.0)
         payload = _zero_where_out(payload, w > 0)
         if reducer.exact and not reducer.gathered and not isinstance(payload, Encoded):
             total = jax.lax.psum(w, axis_name)
