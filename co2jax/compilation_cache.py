@@ -8,12 +8,14 @@ data path between them (a delayed exchange beside the inner loop, metrics beside
 may run in a different order on each device. Measured here: CO2's round on a 4 x 2 CPU mesh
 ran from a fresh compile and aborted in XLA's rendezvous (two devices waiting in a data-axis
 all-reduce, their replica partners in a replica-axis one) every time it was loaded from the
-cache. Two unordered collectives over the same devices can also meet in one rendezvous (the
-shard_map ones share an op id), which would mix their values. A fresh compile is safe.
+cache. Two unordered collectives over the same devices could also meet in one rendezvous
+(the shard_map ones share an op id) and mix their values; that was not observed. A fresh
+compile is safe.
 
 So on CPU with more than one device the cache must stay off. :func:`guard` says so (a
 warning, once per process) or turns it off; :class:`co2jax.RoundTrainer` calls it, and the
-experiment driver turns the cache off. GPU and TPU executables are not affected.
+experiment driver turns the cache off. The deserialization above is XLA:CPU's own; GPU and
+TPU executables were not examined, and the guard leaves them alone.
 
 Example:
   >>> import jax
