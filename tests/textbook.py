@@ -220,6 +220,12 @@ def int8_roundtrip(x, block):
     return (q * s[:, None]).astype(np.float32).reshape(-1)[:n]
 
 
+def weighted_mean(xs, w):
+    """sum_r w_r x_r / sum_r w_r."""
+    w = np.asarray(w, np.float64)
+    return sum(wr * x for wr, x in zip(w, xs, strict=True)) / w.sum()
+
+
 def streaming_nesterov(
     problem, lr, H, rounds, fragments, tau, alpha, eta, mu, compress=None, decay=1.0, weights=None
 ):
@@ -240,7 +246,7 @@ def streaming_nesterov(
     send_at = [a - tau for a in apply_at]
     sent, out = {}, []
     for t in range(rounds):
-        w = np.ones(R) if weights is None else np.asarray(weights[t], np.float64)
+        w = np.ones(R) if weights is None else weights[t]
         for k in range(H + 1):
             for p, idx in enumerate(fragments):
                 if send_at[p] == k:
@@ -250,7 +256,7 @@ def streaming_nesterov(
                             target = deltas[r] + decay * e[r][p]
                             deltas[r] = compress(target)
                             e[r][p] = target - deltas[r]
-                    sent[p] = sum(wr * d for wr, d in zip(w, deltas, strict=True)) / w.sum()
+                    sent[p] = weighted_mean(deltas, w)
                 if apply_at[p] == k:
                     g = sent.pop(p)
                     b[p] = mu * b[p] + g

@@ -5,12 +5,7 @@ continues from the anchor the participants produce. Nothing here imports co2jax.
 from __future__ import annotations
 
 import numpy as np
-from textbook import _topk_ternary, inner_sgd, streaming_nesterov
-
-
-def _weighted(xs, w):
-    w = np.asarray(w, np.float64)
-    return sum(wr * x for wr, x in zip(w, xs, strict=True)) / w.sum()
+from textbook import _topk_ternary, inner_sgd, streaming_nesterov, weighted_mean
 
 
 def diloco(problem, lr, H, rounds, eta, mu, weights, steps=None, delay=0):
@@ -23,7 +18,7 @@ def diloco(problem, lr, H, rounds, eta, mu, weights, steps=None, delay=0):
         n = steps[t] if steps is not None else [H] * R
         own.append([anchor - inner_sgd(problem, r, anchor, lr, n[r]) for r in range(R)])
         if t >= delay:
-            g = _weighted(own[t - delay], weights[t])
+            g = weighted_mean(own[t - delay], weights[t])
             b = mu * b + g
             anchor = anchor - eta * (g + mu * b)
         out.append(np.stack([anchor] * R))
