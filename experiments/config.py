@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from collections.abc import Iterator, Sequence
@@ -81,6 +82,12 @@ class MeshConfig:
     replica: int = 4
     data: int = 2
     model: int = 1
+
+    @property
+    def devices(self) -> int | None:
+        """The devices the mesh spans (None where a size is -1: it fills those there are)."""
+        sizes = (self.replica, self.data, self.model)
+        return None if -1 in sizes else math.prod(sizes)
 
 
 @dataclass(frozen=True)

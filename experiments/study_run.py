@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import math
 import multiprocessing
 import os
 import signal
@@ -109,8 +108,7 @@ _SAME_PROGRAM = "outer.learning_rate="
 
 def row_devices(cfg: config_lib.Config, default: int = 8) -> int:
     """The devices a row's mesh spans (``default`` where a size is -1: it fills them)."""
-    sizes = (cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model)
-    return default if -1 in sizes else math.prod(sizes)
+    return cfg.mesh.devices or default
 
 
 class Workers:

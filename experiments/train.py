@@ -157,9 +157,8 @@ def build(cfg: config_lib.Config) -> Run:
     """Everything a run needs; raises ValueError for a bad config before compiling."""
     _setup_devices(cfg)
     checks.validate(cfg, jax.device_count())
-    sizes = (cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model)
-    used = None if -1 in sizes else math.prod(sizes)  # the persistent cache off if unsafe:
-    compilation_cache.guard(jax.devices()[:used], disable=True)
+    # the persistent cache off where it is unsafe (multi-device CPU)
+    compilation_cache.guard(jax.devices()[: cfg.mesh.devices], disable=True)
     key = _programs_key(cfg) if _SHARED is not None else None
     p = _SHARED.get(key) if key is not None else None
     if p is None:
