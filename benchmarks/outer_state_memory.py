@@ -176,7 +176,8 @@ def tpu_part(args) -> None:
                 row = "compile failed: " + str(e).strip().splitlines()[0][:160]
             seconds = time.perf_counter() - start
             print(
-                f"  {name} shard_outer_state={shard}: reducer {trainer.reducer_kind}, "
+                f"  {name} shard_outer_state={shard}: "
+                f"reducer {trainer.program(state).reducer_kind}, "
                 f"lower+compile {seconds:.1f} s",
                 flush=True,
             )

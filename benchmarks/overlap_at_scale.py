@@ -71,7 +71,8 @@ def compile_round(outer, mesh, shapes, d_model, shard, **kw):
     )
     batch = C.abstract_batch(mesh, R, steps, 8 * D, d_model, jnp.bfloat16)
     began = time.perf_counter()
-    compiled = trainer.lower(trainer.abstract_state(shapes), batch).compile()
+    state = trainer.abstract_state(shapes)
+    compiled = trainer.lower(state, batch).compile()
     seconds = time.perf_counter() - began
     mem = compiled.memory_analysis()
     total = (
@@ -82,8 +83,8 @@ def compile_round(outer, mesh, shapes, d_model, shard, **kw):
     )
     text = compiled.as_text()
     return {
-        "reducer": trainer.reducer_kind,
-        "chunks": [t.chunks for t in trainer.run],
+        "reducer": trainer.program(state).reducer_kind,
+        "chunks": [t.chunks for t in trainer.program(state).transfers],
         "hidden": co2jax.hlo.hidden_fraction(text, mesh, "replica"),
         "temp_gib": mem.temp_size_in_bytes / 2**30,
         "total_gib": total / 2**30,

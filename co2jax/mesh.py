@@ -18,7 +18,16 @@ from jax.sharding import AxisType, Mesh
 
 from co2jax.axes import AXES, DATA, MODEL, REPLICA
 
-__all__ = ["AXES", "DATA", "MODEL", "REPLICA", "make_mesh", "resolve_sizes"]
+__all__ = [
+    "AXES",
+    "DATA",
+    "MODEL",
+    "REPLICA",
+    "compiler_sharded",
+    "make_mesh",
+    "replica_map",
+    "resolve_sizes",
+]
 
 
 def resolve_sizes(sizes: dict[str, int], device_count: int) -> dict[str, int]:
@@ -106,3 +115,63 @@ def make_mesh(
     else:
         grid = np.array(devices, dtype=object).reshape(shape)
     return Mesh(grid, AXES, axis_types=(axis_type,) * len(AXES))
+
+
+def compiler_sharded(mesh: Mesh) -> Mesh:
+    """``mesh`` with its ``data`` and ``model`` axes ``Auto``: inside :func:`replica_map` the
+    compiler partitions a user's model over them with no sharding annotations (an
+    ``Explicit`` axis asks every op with a sharded contracting dimension for an
+    ``out_sharding``). The replica axis keeps its type: it is mapped by hand."""
+    types = tuple(
+        t if name == REPLICA else AxisType.Auto
+        for name, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+    )
+    if types == tuple(mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=types)
+
+
+def replica_map(fn, mesh: Mesh, *, check_vma: bool = True):
+    """``fn`` run once per replica, mapped by hand over ``replica`` only.
+
+    Every argument and result is a pytree of arrays with a leading replica axis (sharded over
+    ``replica``); ``fn`` sees one replica's *whole logical tensors*, without that axis, and
+    may use collectives over ``replica`` by name. How each tensor is split over ``data`` and
+    ``model`` stays with the compiler (their shardings come with the arrays): a gradient of a
+    batch split over ``data`` is averaged over it without a hand-written ``pmean``, and a
+    whole-tensor computation (a norm, a top-k, a DCT) gives the same values at every layout.
+    The mesh's ``data`` and ``model`` axes are used as ``Auto`` (:func:`compiler_sharded`).
+
+    Args:
+      fn: ``fn(*per_replica_args) -> per_replica_results``.
+      mesh: a mesh with a ``replica`` axis.
+      check_vma: ``shard_map``'s varying-axis type check (leave it on; a Pallas kernel under
+        its interpreter needs it off).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> mesh = make_mesh(replica=1, data=1, devices=jax.devices()[:1])
+      >>> norm = replica_map(lambda x: jnp.linalg.norm(x) + jax.lax.pmean(x[0], "replica"), mesh)
+      >>> norm(jnp.array([[3.0, 4.0]]))  # one replica: |x| + the replicas' mean of x[0]
+      Array([8.], dtype=float32)
+    """
+    if REPLICA not in mesh.axis_names:
+        raise ValueError(
+            f"replica_map needs a mesh with a {REPLICA!r} axis, got mesh.axis_names="
+            f"{mesh.axis_names!r}"
+        )
+    spec = jax.sharding.PartitionSpec(REPLICA)
+    squeeze = lambda tree: jax.tree.map(lambda x: x[0], tree)
+    stack = lambda tree: jax.tree.map(lambda x: x[None], tree)
+
+    def per_replica(*args):
+        return stack(fn(*squeeze(args)))
+
+    return jax.shard_map(
+        per_replica,
+        mesh=compiler_sharded(mesh),
+        in_specs=spec,
+        out_specs=spec,
+        axis_names={REPLICA},
+        check_vma=check_vma,
+    )

@@ -67,8 +67,21 @@ def flatten(leaves: list, dtype: Any = jnp.float32) -> tuple[jax.Array, Callable
 
 def varying_axes(x: Any) -> frozenset | None:
     """The mesh axes ``x`` varies over inside ``shard_map`` (``None`` outside it)."""
-    kind = getattr(jax.typeof(x), "manual_axis_type", None)
+    typed = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    kind = getattr(typed, "manual_axis_type", None)
     return None if kind is None else frozenset(kind.varying)
+
+
+def varying_like(zeros: Any, ref: Any) -> Any:
+    """``zeros`` typed as varying over the mesh axes ``ref`` varies over, leaf by leaf (a
+    loop's carry and a ``lax.cond``'s branches keep their types; a no-op outside
+    ``shard_map``)."""
+
+    def leaf(z, r):
+        missing = (varying_axes(r) or frozenset()) - (varying_axes(z) or frozenset())
+        return jax.lax.pcast(z, tuple(sorted(missing)), to="varying") if missing else z
+
+    return jax.tree.map(leaf, zeros, ref)
 
 
 def all_over_shards(ok: jax.Array, keep: frozenset = frozenset()) -> jax.Array:

@@ -326,7 +326,8 @@ def train(
                     "penalty_scale": round_stats.penalty_scale(state),
                     "collective": "in the inner transform (every step)"
                     if every_step
-                    else f"{trainer.reducer_kind} ({len(trainer.transfers)} per round)",
+                    else f"{trainer.program(state).reducer_kind} "
+                    f"({len(trainer.transfers)} per round)",
                     "overlapped": trainer.outer.overlapped,
                 }
                 last = k + 1 == t.rounds

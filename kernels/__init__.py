@@ -17,7 +17,6 @@ from co2jax.kernels.api import (
     minimum_bytes,
     outer_update,
     resolve,
-    target_backend,
 )
 from co2jax.kernels.layout import Gathered, Layout, make_layout
 from co2jax.kernels.reference import OuterUpdateOut, outer_update_reference
@@ -37,5 +36,4 @@ __all__ = [
     "outer_update",
     "outer_update_reference",
     "resolve",
-    "target_backend",
 ]

@@ -13,18 +13,15 @@
   reference everywhere else (CPU; TPU with a reduced payload, where XLA already reaches the
   minimum; GPU, not measured yet).
 
-The target backend is :func:`target_backend`'s, else ``jax.default_backend()``: the round
-engine sets it from its mesh, so ahead-of-time compilation for a TPU topology on a CPU host
-traces the TPU path.
+The target backend is the ``backend`` argument of each entry point, else the platform of the
+mesh the program is traced on (:func:`current_backend`): the engines trace their rounds on
+their mesh, so ahead-of-time compilation for a TPU topology on a CPU host traces the TPU path.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -39,22 +36,16 @@ from co2jax.kernels.spec import LANES, BlockSizes, OuterUpdateSpec, default_bloc
 IMPLEMENTATIONS = ("auto", "pallas", "interpret", "xla")
 LOWERED = ("tpu", "gpu", "cuda", "rocm")  # backends Pallas compiles for (Mosaic, Triton)
 _SUPPORTED = {np.dtype(jnp.float32), np.dtype(jnp.bfloat16)}
-_state = threading.local()
-
-
-@contextlib.contextmanager
-def target_backend(backend: str) -> Iterator[None]:
-    """Traces fused updates for ``backend`` (``"cpu"``, ``"gpu"``, ``"tpu"``) inside the block."""
-    previous = getattr(_state, "backend", None)
-    _state.backend = backend
-    try:
-        yield
-    finally:
-        _state.backend = previous
 
 
 def current_backend() -> str:
-    return getattr(_state, "backend", None) or jax.default_backend()
+    """The backend a program is traced for: the platform of the mesh it is traced on (the
+    engines trace their rounds on their mesh, so ahead-of-time compilation for a TPU
+    topology on a CPU host traces the TPU path), else ``jax.default_backend()``. Every
+    kernel entry point also takes ``backend=`` to say it outright."""
+    mesh = jax.sharding.get_abstract_mesh()
+    platform = None if mesh.empty else getattr(mesh.abstract_device, "platform", None)
+    return platform or jax.default_backend()
 
 
 def check_implementation(implementation: Any) -> str:
@@ -89,9 +80,11 @@ def resolve(implementation: str, replicas: int | None = None, backend: str | Non
     return implementation
 
 
-def gather_layout(payload: Any, block_sizes: BlockSizes | None = None) -> Layout:
+def gather_layout(
+    payload: Any, block_sizes: BlockSizes | None = None, backend: str | None = None
+) -> Layout:
     """The bucket layout an all-gather should send ``payload`` in for the fused update."""
-    block_sizes = block_sizes or default_block_sizes(current_backend())
+    block_sizes = block_sizes or default_block_sizes(backend or current_backend())
     return make_layout(payload, block_sizes.block_rows)
 
 
@@ -108,6 +101,7 @@ def outer_update(
     gap_correction: jax.Array | float = 1.0,
     implementation: str = "auto",
     block_sizes: BlockSizes | None = None,
+    backend: str | None = None,
 ) -> OuterUpdateOut:
     """One fused outer step on pytrees (see :class:`~co2jax.kernels.spec.OuterUpdateSpec`).
 
@@ -121,6 +115,7 @@ def outer_update(
       gap_correction: the gap average's bias correction ``1 - gap_decay**n``.
       implementation: ``"auto"``, ``"pallas"``, ``"interpret"`` or ``"xla"``.
       block_sizes: the kernel's tiling (default per backend).
+      backend: the backend to trace for (default: :func:`current_backend`).
 
     Returns:
       :class:`~co2jax.kernels.reference.OuterUpdateOut` of pytrees (``penalty_sum`` summed
@@ -145,10 +140,12 @@ def outer_update(
             gap_correction=gap_correction,
             implementation=implementation,
             block_sizes=block_sizes,
+            backend=backend,
         )
         return _by_parts(step, payload, (anchor, momentum, params, old_pending, gap_scale))
     replicas = payload.replicas if isinstance(payload, Gathered) else 1
-    impl = resolve(implementation, replicas)
+    backend = backend or current_backend()
+    impl = resolve(implementation, replicas, backend)
     trees = dict(
         anchor=anchor, momentum=momentum, params=params, old_pending=old_pending, gap=gap_scale
     )
@@ -156,7 +153,7 @@ def outer_update(
     if impl == "xla":
         return _reference(spec, payload, trees, apply, gap_correction)
     try:
-        return _pallas(spec, payload, trees, apply, gap_correction, impl, block_sizes)
+        return _pallas(spec, payload, trees, apply, gap_correction, impl, block_sizes, backend)
     except NotImplementedError as e:
         warnings.warn(f"fused outer update: {e}; using the XLA reference", stacklevel=2)
         return _reference(spec, payload, trees, apply, gap_correction)
@@ -248,8 +245,9 @@ def _row(value) -> jax.Array:
     return jnp.broadcast_to(jnp.asarray(value, jnp.float32).reshape(1, 1), (1, LANES))
 
 
-def _pallas(spec, payload, trees, apply, gap_correction, impl, block_sizes) -> OuterUpdateOut:
-    backend = current_backend()
+def _pallas(
+    spec, payload, trees, apply, gap_correction, impl, block_sizes, backend
+) -> OuterUpdateOut:
     interpret = impl == "interpret"
     if not interpret and backend not in LOWERED:
         raise NotImplementedError(f"no Pallas lowering of the kernel for backend {backend!r}")
@@ -328,7 +326,12 @@ def state_names(spec: OuterUpdateSpec) -> list[str]:
     return [x for x in _inputs(spec) if x not in ("payloads", "apply", "gap_correction")]
 
 
-def gathered_step(spec: OuterUpdateSpec, layout: Layout, implementation: str = "auto"):
+def gathered_step(
+    spec: OuterUpdateSpec,
+    layout: Layout,
+    implementation: str = "auto",
+    backend: str | None = None,
+):
     """``step(buffer, state, scales=None) -> state``: the fused update of a ``[R, rows, 128]``
     gathered buffer (int8 codes with ``scales [R, rows]``, or floats) and a dict of state
     pytrees (keys from :func:`state_names`), returning the state in the same structure, ready
@@ -344,6 +347,7 @@ def gathered_step(spec: OuterUpdateSpec, layout: Layout, implementation: str = "
             state.get("old_pending"),
             state.get("gap_scale"),
             implementation=implementation,
+            backend=backend,
         )
         return as_state(state, out)
 

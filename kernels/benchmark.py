@@ -65,11 +65,8 @@ def _program(spec, n, replicas, dtype, payload_dtype, backend, implementation, s
     )
     gap = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=sharding)
     shapes = {x: {"w": gap if x == "gap_scale" else leaf} for x in api.state_names(spec)}
-    update = api.gathered_step(spec, layout, implementation)
-
-    with api.target_backend(backend):
-        lowered = jax.jit(update, donate_argnums=(1,)).lower(buffer, shapes)
-    return lowered
+    update = api.gathered_step(spec, layout, implementation, backend=backend)
+    return jax.jit(update, donate_argnums=(1,)).lower(buffer, shapes)
 
 
 def pipeline_bytes(spec, n, replicas, dtype, payload_dtype, backend) -> int:
@@ -153,6 +150,7 @@ def _int8_programs(spec, n, replicas, backend, sharding):
             payload,
             *(state.get(k) for k in ("anchor", "momentum", "params", "old_pending", "gap_scale")),
             implementation=impl,
+            backend=backend,
         )
         return api.as_state(state, out)
 
@@ -160,18 +158,17 @@ def _int8_programs(spec, n, replicas, backend, sharding):
         return state_step(Gathered(c, layout, s), state, impl)
 
     def two_kernels(c, s, state, impl):
-        mean = qk.dequantize_mean_int8(c, s, implementation=impl)
+        mean = qk.dequantize_mean_int8(c, s, implementation=impl, backend=backend)
         return state_step(layout.unpack(mean), state, impl)
 
     programs = {}
-    with api.target_backend(backend):
-        for label, fn, impl in [
-            ("xla", fused, "xla"),
-            ("two kernels", two_kernels, "pallas"),
-            ("fused", fused, "pallas"),
-        ]:
-            step = jax.jit(lambda c, s, st, fn=fn, impl=impl: fn(c, s, st, impl), donate_argnums=2)
-            programs[label] = step.lower(codes, scales, shapes)
+    for label, fn, impl in [
+        ("xla", fused, "xla"),
+        ("two kernels", two_kernels, "pallas"),
+        ("fused", fused, "pallas"),
+    ]:
+        step = jax.jit(lambda c, s, st, fn=fn, impl=impl: fn(c, s, st, impl), donate_argnums=2)
+        programs[label] = step.lower(codes, scales, shapes)
     minimum = (
         replicas * rows * (LANES + 4)
         + api.minimum_bytes(spec, n, 1, jnp.float32, jnp.float32)

@@ -274,15 +274,40 @@ def same_varying_axes(operands: list[jax.Array]) -> list[jax.Array] | None:
     ]
 
 
-def typed_call(call, out_shape, *operands):
+def typed_call(call, out_shape, *operands, compiled: bool = True):
     """``call(*operands)`` of a ``pallas_call`` inside ``shard_map`` (``check_vma=True``):
     operands cast to the union of their varying mesh axes and the outputs declared with it,
-    so the kernel type-checks; as it is outside ``shard_map``."""
+    so the kernel type-checks; as it is outside ``shard_map``. A ``compiled`` kernel (not
+    the interpreter) runs whole on each device (:func:`whole_per_device`)."""
+    run = whole_per_device if compiled else (lambda fn, *args: fn(*args))
     cast = same_varying_axes(list(operands))
     if cast is None:
-        return call(out_shape)(*operands)
+        return run(call(out_shape), *operands)
     kind = jax.typeof(cast[0]).manual_axis_type
     shapes = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=kind), out_shape
     )
-    return call(shapes)(*cast)
+    return run(call(shapes), *cast)
+
+
+def whole_per_device(fn, *operands):
+    """``fn(*operands)``, a compiled kernel's call, run whole on every device of its replica.
+
+    Inside a program mapped by hand over the replica axis only (the engines'), the other mesh
+    axes are the compiler's, and a Mosaic or Triton kernel cannot be partitioned by it: the
+    call is wrapped in a ``shard_map`` over those axes with every operand and result whole
+    (replicated), as each device ran it before any layout split the state. Operands that
+    are split over ``data`` or ``model`` are gathered for the call (the engines hand the
+    kernel gathered payloads only where the outer state is whole in each replica). Outside
+    such a program, ``fn(*operands)`` as it is.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return fn(*operands)
+    axes = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+    if not axes:
+        return fn(*operands)
+    whole = jax.sharding.PartitionSpec()
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=whole, out_specs=whole, axis_names=axes, check_vma=False
+    )(*operands)

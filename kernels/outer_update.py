@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from co2jax.kernels.layout import as_column, same_varying_axes
+from co2jax.kernels.layout import as_column, same_varying_axes, whole_per_device
 from co2jax.kernels.spec import LANES, BlockSizes, OuterUpdateSpec
 
 
@@ -230,7 +230,7 @@ def outer_update_pallas(
     kernel = functools.partial(
         _outer_update_kernel, spec=spec, ins=ins, replicas=replicas, block_rows=br, valid=valid
     )
-    results = pl.pallas_call(
+    call = pl.pallas_call(
         kernel,
         out_shape=tuple(shapes),
         grid=(blocks,),
@@ -241,5 +241,7 @@ def outer_update_pallas(
         cost_estimate=cost,
         interpret=interpret,
         name="co2jax_outer_update",
-    )(*(operands or [arrays[n] for n in ins]))
+    )
+    operands = operands or [arrays[n] for n in ins]
+    results = call(*operands) if interpret else whole_per_device(call, *operands)
     return dict(zip(outs, results, strict=True))

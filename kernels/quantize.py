@@ -88,9 +88,12 @@ def _params(backend: str, interpret: bool):
     return plgpu.CompilerParams(num_warps=4, num_stages=1)
 
 
-def _resolve(implementation: str, replicas: int | None = None) -> tuple[str, str]:
+def _resolve(
+    implementation: str, replicas: int | None = None, backend: str | None = None
+) -> tuple[str, str]:
     """The implementation (:func:`co2jax.kernels.api.resolve`) and the target backend."""
-    return resolve(implementation, replicas), current_backend()
+    backend = backend or current_backend()
+    return resolve(implementation, replicas, backend), backend
 
 
 def _encode_call(kernel, x, width, dtype, fmt, impl, backend, block_sizes):
@@ -116,7 +119,7 @@ def _encode_call(kernel, x, width, dtype, fmt, impl, backend, block_sizes):
         jax.ShapeDtypeStruct((rows, width), dtype),
         jax.ShapeDtypeStruct((1, rows), jnp.float32),
     )
-    codes, scale = typed_call(call, out_shape, x)
+    codes, scale = typed_call(call, out_shape, x, compiled=impl != "interpret")
     return codes, scale[0]
 
 
@@ -140,11 +143,21 @@ def _mean_call(kernel, codes, scale, fmt, impl, backend, block_sizes):
         interpret=impl == "interpret",
         name=f"co2jax_dequantize_mean_{fmt}",
     )
-    return typed_call(call, jax.ShapeDtypeStruct((rows, LANES), jnp.float32), codes, scale)
+    return typed_call(
+        call,
+        jax.ShapeDtypeStruct((rows, LANES), jnp.float32),
+        codes,
+        scale,
+        compiled=impl != "interpret",
+    )
 
 
 def quantize_int8(
-    x: jax.Array, *, implementation: str = "auto", block_sizes: BlockSizes | None = None
+    x: jax.Array,
+    *,
+    implementation: str = "auto",
+    block_sizes: BlockSizes | None = None,
+    backend: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-row int8 quantization of ``x [rows, 128]``: ``(q [rows, 128] int8, scale [rows])``.
 
@@ -154,7 +167,7 @@ def quantize_int8(
       >>> int(q[0, 0]), float(s[0])
       (-127, 0.02)
     """
-    impl, backend = _resolve(implementation)
+    impl, backend = _resolve(implementation, None, backend)
     if x.ndim != 2 or x.shape[1] != LANES:
         raise ValueError(f"x must be [rows, {LANES}], got shape {x.shape}")
     if impl == "xla":
@@ -168,9 +181,10 @@ def dequantize_mean_int8(
     *,
     implementation: str = "auto",
     block_sizes: BlockSizes | None = None,
+    backend: str | None = None,
 ) -> jax.Array:
     """The float32 mean of R int8 payloads ``q [R, rows, 128]`` with scales ``[R, rows]``."""
-    impl, backend = _resolve(implementation, q.shape[0] if q.ndim == 3 else None)
+    impl, backend = _resolve(implementation, q.shape[0] if q.ndim == 3 else None, backend)
     if q.ndim != 3 or q.shape[2] != LANES or scale.shape != q.shape[:2]:
         raise ValueError(
             f"need q [R, rows, {LANES}] and scale [R, rows], got {q.shape}, {scale.shape}"
@@ -276,6 +290,7 @@ def quantize_packed(
     *,
     implementation: str = "auto",
     block_sizes: BlockSizes | None = None,
+    backend: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """FP4 E3M0 (``fmt="fp4"``) or ternary 2-bit (``"2bit"``) codes of ``x [rows, 128]``, one
     scale ``max|x|`` per row, packed by planes: ``(packed uint8 [rows, 64 or 32], scale)``.
@@ -291,7 +306,7 @@ def quantize_packed(
       (95, 4.0)
     """
     width = _check_fmt(fmt)
-    impl, backend = _resolve(implementation)
+    impl, backend = _resolve(implementation, None, backend)
     if x.ndim != 2 or x.shape[1] != LANES:
         raise ValueError(f"x must be [rows, {LANES}], got shape {x.shape}")
     if impl == "xla":
@@ -307,11 +322,12 @@ def dequantize_mean_packed(
     *,
     implementation: str = "auto",
     block_sizes: BlockSizes | None = None,
+    backend: str | None = None,
 ) -> jax.Array:
     """The float32 mean ``[rows, 128]`` of R packed payloads ``[R, rows, 64 or 32]`` with
     scales ``[R, rows]``, decoded and summed in one pass."""
     width = _check_fmt(fmt)
-    impl, backend = _resolve(implementation, packed.shape[0] if packed.ndim == 3 else None)
+    impl, backend = _resolve(implementation, packed.shape[0] if packed.ndim == 3 else None, backend)
     if packed.ndim != 3 or packed.shape[2] != width or scale.shape != packed.shape[:2]:
         raise ValueError(
             f"need packed [R, rows, {width}] and scale [R, rows], got {packed.shape}, {scale.shape}"

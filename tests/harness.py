@@ -112,45 +112,22 @@ def make_mesh(replica=4, data=2, axis_type=AxisType.Explicit):
     )
 
 
-def _squeeze(tree):
-    return jax.tree.map(lambda x: x[0], tree)
-
-
-def _unsqueeze(tree):
-    return jax.tree.map(lambda x: x[None], tree)
-
-
 def shard_round(outer, inner, mesh, H, check_vma=True):
-    """A jitted shard_map'd round: H inner steps (grads averaged over "data"), then the sync.
+    """A jitted round mapped by hand over "replica" only (``co2jax.mesh.replica_map``): H
+    inner steps on the replica's whole batch (the compiler averages the gradients over
+    "data"), then the sync.
 
     Per-replica state carries a leading replica axis sharded over "replica" (STYLE.md: params
     that enter replica-invariant would silently become data-parallel).
     """
 
-    def body(params, inner_state, state, d, c):
-        params, inner_state, state, d = map(_squeeze, (params, inner_state, state, d))
-        c = c[0]  # [K/data, dim]
-
-        def grad_fn(p):
-            # Mark the data-invariant params varying over "data" so that grad gives this
-            # shard's gradient; then average over the data shards explicitly.
-            p = jax.lax.pcast(p, "data", to="varying")
-            return jax.lax.pmean(jax.grad(loss_fn)(p, d, c), "data")
-
+    def body_once(params, inner_state, state, d, c):
+        grad_fn = lambda p: jax.grad(loss_fn)(p, d, c)
         params, inner_state = _inner_scan(inner, params, inner_state, grad_fn, H)
         params, state = outer.sync(params, state)
-        return _unsqueeze(params), _unsqueeze(inner_state), _unsqueeze(state)
+        return params, inner_state, state
 
-    rep = P("replica")
-    return jax.jit(
-        jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(rep, rep, rep, rep, P("replica", "data")),
-            out_specs=(rep, rep, rep),
-            check_vma=check_vma,
-        )
-    )
+    return jax.jit(co2jax.mesh.replica_map(body_once, mesh, check_vma=check_vma))
 
 
 def place(tree, mesh, spec):
@@ -193,22 +170,15 @@ def replica_reduced_elements(hlo: str, mesh, op: str = "all-reduce") -> int:
     return sum(c.elements for c in found if c.op == op)
 
 
-def shard_step(tx, mesh):
-    """A jitted shard_map'd optax step on the textbook problem: grads averaged over "data"."""
-    rep = P("replica")
+def shard_step(tx, mesh, check_vma=True):
+    """A jitted optax step on the textbook problem, mapped by hand over "replica" only: each
+    replica's whole batch (the compiler averages the gradients over "data")."""
 
     def body(params, state, d, c):
-        params, state, d, c = jax.tree.map(lambda x: x[0], (params, state, d, c))
-        p = jax.lax.pcast(params, "data", to="varying")
-        grads = jax.lax.pmean(jax.grad(loss_fn)(p, d, c), "data")
-        updates, state = tx.update(grads, state, params)
-        return jax.tree.map(lambda x: x[None], (optax.apply_updates(params, updates), state))
+        updates, state = tx.update(jax.grad(loss_fn)(params, d, c), state, params)
+        return optax.apply_updates(params, updates), state
 
-    return jax.jit(
-        jax.shard_map(
-            body, mesh=mesh, in_specs=(rep, rep, rep, P("replica", "data")), out_specs=rep
-        )
-    )
+    return jax.jit(co2jax.mesh.replica_map(body, mesh, check_vma=check_vma))
 
 
 def shard_step_args(tx, problem: Problem, mesh):

@@ -169,7 +169,7 @@ def test_spread_equals_unspread(case, sync_every, problem):
             params, state = step(params, state, d, c)
             if spread and i == 3 * sync_every - 1:  # what the sync of round 2 applied
                 plan = chunks.plan(jax.tree.map(lambda x: x[0], payload), outer.reducer, sync_every)
-                reduced = jax.vmap(lambda w, p=plan: chunks.finish(p, w))(state.inflight[0]["wire"])
+                reduced = jax.vmap(lambda w, p=plan: chunks.finish(p, w))(state.inflight[0].wire)
         runs.append(np.asarray(harness.flatten(params)))
     # the assembled reduction is exactly the unchunked one
     for a, b in zip(jax.tree.leaves(reduced), jax.tree.leaves(expected), strict=True):

@@ -329,7 +329,7 @@ def _run_engine(inner, outer, problem, mesh):
     for _ in range(ROUNDS):
         state, metrics = trainer.round(state, batch)
         out.append(np.asarray(harness.flatten(jax.device_get(state.params)), np.float64))
-    assert trainer._get(state)._cache_size() == 1
+    assert trainer.program(state).fn._cache_size() == 1
     return np.stack(out), np.asarray(metrics.bytes_communicated)
 
 

@@ -278,8 +278,8 @@ def test_bad_arguments():
 def test_pallas_without_a_lowering_falls_back_to_the_reference():
     spec = SPECS["diloco_nesterov"]
     tree = {"w": jnp.ones(4)}
-    with api.target_backend("cpu"), pytest.warns(UserWarning, match="no Pallas lowering"):
-        got = outer_update(spec, tree, tree, tree, implementation="pallas")
+    with pytest.warns(UserWarning, match="no Pallas lowering"):
+        got = outer_update(spec, tree, tree, tree, implementation="pallas", backend="cpu")
     want = outer_update(spec, tree, tree, tree, implementation="xla")
     _assert_close(got, want, jnp.float32)
 
@@ -352,12 +352,11 @@ def test_triton_lowering_without_a_gpu(name, dtype):
     assert len(layout.segments) == 2
     buffer = jax.ShapeDtypeStruct((4, layout.total_rows, LANES), dtype)
     state = {x: gap if x == "gap_scale" else leaves for x in api.state_names(spec)}
-    step = api.gathered_step(spec, layout, "pallas")
+    step = api.gathered_step(spec, layout, "pallas", backend="gpu")
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    with api.target_backend("gpu"):
-        exported = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[triton])(
-            buffer, state
-        )
+    exported = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[triton])(
+        buffer, state
+    )
     module = exported.mlir_module()
     assert module.count("__gpu$xla.gpu.triton") == len(layout.segments)
     assert "output_operand_alias" in module
@@ -373,10 +372,9 @@ def test_int8_payload_triton_lowering_without_a_gpu():
     codes = jax.ShapeDtypeStruct((4, layout.total_rows, LANES), jnp.int8)
     scales = jax.ShapeDtypeStruct((4, layout.total_rows), jnp.float32)
     state = {x: leaves for x in api.state_names(spec)}
-    step = api.gathered_step(spec, layout, "pallas")
+    step = api.gathered_step(spec, layout, "pallas", backend="gpu")
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    with api.target_backend("gpu"):
-        exported = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[triton])(
-            codes, state, scales
-        )
+    exported = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[triton])(
+        codes, state, scales
+    )
     assert exported.mlir_module().count("__gpu$xla.gpu.triton") == len(layout.segments)

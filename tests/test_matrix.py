@@ -1,11 +1,16 @@
-"""Every algorithm of the registry in every driver, equal to its numpy textbook loop.
+"""Every algorithm of the registry in every driver and every layout, equal to its textbook loop.
 
-Drivers: the round-level ``outer.sync`` under ``jax.vmap`` and under ``shard_map``, the
-per-step adapter (``local_updates``) under both, and the round engine with whole, sharded
-(``shard_outer_state``) and FSDP state, and with the fused Pallas update (interpreter) where
-the algorithm is fusable. Each cell matches ``textbook.REGISTERED`` at rtol 1e-5 (float32).
-Separate jobs (``JobTrainer``) are checked against the round engine in ``test_multijob.py``.
-A cell that cannot be run says why in ``NOT_APPLICABLE``, and that list is checked too.
+Drivers: the round-level ``outer.sync`` under ``jax.vmap`` and mapped over the replica axis of
+a mesh (``co2jax.mesh.replica_map``), the per-step adapter (``local_updates``) under both, the
+round engine, and the round engine with the fused Pallas update (interpreter) where the
+algorithm is fusable. Layouts (the mesh drivers): the state whole in each replica
+("replicated"), the outer state split over ``data`` ("sharded"), parameters and inner state
+split over ``data`` too ("fsdp"), a parameter split over ``model`` (tensor parallel, "tp"),
+and both ("fsdp_tp": one parameter over ``data``, the other over ``model``). Every cell
+matches ``textbook.REGISTERED`` at rtol 1e-5 (float32): a layout changes no value, and no
+algorithm is another one on a split tensor. Separate jobs (``JobTrainer``) are checked
+against the round engine in ``test_multijob.py``. A cell that cannot be run says why in
+``NOT_APPLICABLE``, and that list is checked too.
 """
 
 from __future__ import annotations
@@ -16,35 +21,32 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import textbook as tb
+from jax.sharding import PartitionSpec as P
 from test_engine import engine_loss, textbook_batch
 
 import co2jax
 from co2jax.algorithms import registry
+from co2jax.engines.layout import Layout, full_spec
 
 LR, H, ROUNDS = 0.1, tb.REGISTERED_H, 3
 TOL = harness.TOL[jnp.dtype(jnp.float32)]
-DRIVERS = (
-    "vmap_sync",
-    "shard_map_sync",
-    "adapter",
-    "adapter_shard_map",
-    "engine",
-    "engine_sharded",
-    "engine_fsdp",
-    "engine_fused",
-)
+
+# (replica, data, model), the engine's layout options, and where each parameter lies
+LAYOUTS = {
+    "replicated": ((4, 2, 1), {}, None),
+    "sharded": ((4, 2, 1), {"shard_outer_state": True}, None),
+    "fsdp": ((4, 2, 1), {"fsdp": True}, None),
+    "tp": ((4, 1, 2), {}, {"b": P("model"), "w": P("model")}),
+    "fsdp_tp": ((2, 2, 2), {"fsdp": True}, {"b": None, "w": P("model")}),
+}
+ON_ONE_DEVICE = ("vmap_sync", "adapter")
+ON_A_MESH = ("shard_map_sync", "adapter_shard_map", "engine", "engine_fused")
+DRIVERS = ON_ONE_DEVICE + ON_A_MESH
 NOT_APPLICABLE = {
     ("streaming_diloco", "vmap_sync"): "applies fragments during the round: no round-level sync",
     ("streaming_diloco", "shard_map_sync"): "applies fragments during the round",
     ("cocodc", "vmap_sync"): "applies fragments during the round: no round-level sync",
     ("cocodc", "shard_map_sync"): "applies fragments during the round",
-    ("diloco_x", "engine_sharded"): "factors of a data shard are another algorithm",
-    ("diloco_x", "engine_fsdp"): "factors of a data shard are another algorithm",
-    ("dct_diloco", "engine_sharded"): "the DCT of a data shard's chunks is another transform",
-    ("dct_diloco", "engine_fsdp"): "the DCT of a data shard's chunks is another transform",
-    ("demo", "engine_fsdp"): "the DCT of a data shard's chunks is another transform",
-    ("sparseloco", "engine_sharded"): "top-k of a data shard's chunks is another algorithm",
-    ("sparseloco", "engine_fsdp"): "top-k of a data shard's chunks is another algorithm",
     **{
         (name, "engine_fused"): "not fusable"
         for name, entry in registry.REGISTRY.items()
@@ -56,74 +58,161 @@ NOT_APPLICABLE.update(
      list(NOT_APPLICABLE.items()) if n == base}
 )  # fmt: skip
 NAMES = (*registry.NAMES, *tb.VARIANTS)
-CELLS = [(n, d) for n in NAMES for d in DRIVERS if (n, d) not in NOT_APPLICABLE]
+CELLS = [
+    (n, d, layout)
+    for n in NAMES
+    for d in DRIVERS
+    if (n, d) not in NOT_APPLICABLE
+    for layout in (("replicated",) if d in ON_ONE_DEVICE else LAYOUTS)
+]
 
 
-@pytest.fixture(scope="module")
-def problem():
-    return tb.make_problem(replicas=4, examples=2, dim=16, seed=5)
+def problem_for(layout: str) -> tb.Problem:
+    return tb.make_problem(replicas=LAYOUTS[layout][0][0], examples=2, dim=16, seed=5)
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
+def mesh_for(layout: str):
+    replica, data, model = LAYOUTS[layout][0]
+    return co2jax.make_mesh(replica, data, model, devices=jax.devices("cpu")[:8])
 
 
-def _adapter(outer, inner, problem, mesh=None):
-    return harness.run_adapter(outer, inner, problem, H, ROUNDS, mesh)
+def place(tree, mesh, specs):
+    """Per-replica specs with the leading replica axis, as the engine lays its state."""
+    return jax.tree.map(
+        lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, full_spec(s, x.ndim - 1))),
+        tree,
+        specs,
+        is_leaf=lambda s: isinstance(s, P),
+    )
 
 
-def _engine(outer, inner, problem, mesh, **kw):
-    trainer = co2jax.RoundTrainer(engine_loss, inner, outer, mesh, H, **kw)
+def layout_specs(layout: str, outer, inner, params):
+    """Per-replica specs of (params, inner state, outer state) in ``layout``."""
+    (replica, data, model), options, specs = LAYOUTS[layout]
+    lay = Layout({"data": data, "model": model}, **options)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)
+    param = lay.param_specs(shapes, specs)
+    return (
+        param,
+        lay.inner_specs(inner.init, shapes, param, replica),
+        lay.outer_specs(outer.init, shapes, specs, replica),
+    )
+
+
+def _sync(outer, inner, problem, mesh, layout):
+    """``outer.sync`` after H inner steps, in a program mapped over the replica axis."""
+    params = harness.initial_params(problem)
+    state, inner_state = jax.vmap(outer.init)(params), jax.vmap(inner.init)(params)
+    specs = layout_specs(layout, outer, inner, params)
+    params, inner_state, state = (
+        place(t, mesh, s) for t, s in zip((params, inner_state, state), specs, strict=True)
+    )
+    rep = P("replica")
+    d = harness.place(jnp.asarray(problem.d), mesh, rep)
+    c = harness.place(jnp.asarray(problem.c), mesh, P("replica", "data"))
+    round_fn = harness.shard_round(outer, inner, mesh, H)
+    out = []
+    for _ in range(ROUNDS):
+        params, inner_state, state = round_fn(params, inner_state, state, d, c)
+        out.append(np.asarray(harness.flatten(params), np.float64))
+    return np.stack(out)
+
+
+def _adapter(outer, inner, problem, mesh, layout):
+    tx = co2jax.local_updates(inner, outer, H)
+    params, state, d, c = harness.shard_step_args(tx, problem, mesh)
+    (param_specs, inner_specs, outer_specs) = layout_specs(
+        layout, outer, inner, harness.initial_params(problem)
+    )
+    params = place(params, mesh, param_specs)
+    state = state._replace(
+        inner_state=place(state.inner_state, mesh, inner_specs),
+        outer_state=place(state.outer_state, mesh, outer_specs),
+    )
+    step = harness.shard_step(tx, mesh)
+    out = []
+    for i in range(ROUNDS * H):
+        params, state = step(params, state, d, c)
+        if (i + 1) % H == 0:
+            out.append(np.asarray(harness.flatten(params), np.float64))
+    return np.stack(out)
+
+
+def _engine(outer, inner, problem, mesh, layout, **kw):
+    _, options, specs = LAYOUTS[layout]
+    trainer = co2jax.RoundTrainer(
+        engine_loss, inner, outer, mesh, H, param_specs=specs, **options, **kw
+    )
     state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
     out = []
     for _ in range(ROUNDS):
         state, _ = trainer.round(state, textbook_batch(problem, H))
         out.append(np.asarray(harness.flatten(jax.device_get(state.params)), np.float64))
-    return np.stack(out), trainer
+    return np.stack(out), trainer, state
 
 
-def run(name, driver, problem, mesh):
+def run(name, driver, layout, problem):
+    if driver == "vmap_sync":
+        outer, inner = harness.registered(name, problem, LR, H)
+        return harness.run_vmap(outer, problem, LR, H, ROUNDS, inner=inner)[0]
+    if driver == "adapter":
+        outer, inner = harness.registered(name, problem, LR, H)
+        return harness.run_adapter(outer, inner, problem, H, ROUNDS)
+    mesh = mesh_for(layout)
     if driver == "engine_fused":
         outer, inner = harness.registered(name, problem, LR, H, implementation="interpret")
         # Pallas' interpreter is not typed for shard_map's varying-axis check; the "engine"
         # cells are the twins with the check on (the fused update's jnp path)
-        got, trainer = _engine(outer, inner, problem, mesh, reducer="all_gather", check_vma=False)
-        assert trainer.reducer_kind == "all_gather"
+        got, trainer, state = _engine(
+            outer, inner, problem, mesh, layout, reducer="all_gather", check_vma=False
+        )
+        assert trainer.program(state).reducer_kind == "all_gather"
         return got
     outer, inner = harness.registered(name, problem, LR, H)
-    if driver == "vmap_sync":
-        return harness.run_vmap(outer, problem, LR, H, ROUNDS, inner=inner)[0]
     if driver == "shard_map_sync":
-        return harness.run_shard_map(outer, problem, LR, H, ROUNDS, mesh, inner=inner)[0]
-    if driver == "adapter":
-        return _adapter(outer, inner, problem)
+        return _sync(outer, inner, problem, mesh, layout)
     if driver == "adapter_shard_map":
-        return _adapter(outer, inner, problem, mesh)
-    layout = {"engine_sharded": {"shard_outer_state": True}, "engine_fsdp": {"fsdp": True}}
-    return _engine(outer, inner, problem, mesh, **layout.get(driver, {}))[0]
+        return _adapter(outer, inner, problem, mesh, layout)
+    return _engine(outer, inner, problem, mesh, layout)[0]
 
 
-@pytest.mark.parametrize("name, driver", CELLS, ids=[f"{n}-{d}" for n, d in CELLS])
-def test_matches_textbook(name, driver, problem, mesh):
+@pytest.mark.parametrize(
+    "name, driver, layout", CELLS, ids=[f"{n}-{d}-{lay}" for n, d, lay in CELLS]
+)
+def test_matches_textbook(name, driver, layout):
+    problem = problem_for(layout)
     want = tb.loop_of(name)(problem, LR, H, ROUNDS)
-    got = run(name, driver, problem, mesh)
+    got = run(name, driver, layout, problem)
     np.testing.assert_allclose(got, want, **TOL)
 
 
 def test_the_textbook_loops_move():
     """No cell passes by standing still: every loop leaves theta0 by the third round."""
-    problem = tb.make_problem(replicas=4, examples=2, dim=16, seed=5)
-    for name in NAMES:
-        assert np.abs(tb.loop_of(name)(problem, LR, H, ROUNDS)[-1] - problem.theta0).max() > 1e-2, (
-            name
-        )
+    for layout in ("replicated", "fsdp_tp"):
+        problem = problem_for(layout)
+        for name in NAMES:
+            moved = np.abs(tb.loop_of(name)(problem, LR, H, ROUNDS)[-1] - problem.theta0)
+            assert moved.max() > 1e-2, (name, layout)
 
 
 def test_not_applicable_cells_are_the_documented_ones():
-    """Every algorithm runs in every driver but the cells listed, each for its reason; the
-    only fusable-only driver is the fused one."""
+    """Every algorithm runs in every driver and every layout but the cells listed, each for
+    its reason; none is refused for a split tensor."""
     assert {d for _, d in NOT_APPLICABLE} <= set(DRIVERS)
+    assert not any("shard" in why or "split" in why for why in NOT_APPLICABLE.values())
     for name in registry.NAMES:
-        ran = {d for n, d in CELLS if n == name}
-        assert {"adapter", "adapter_shard_map", "engine"} <= ran, name
+        ran = {(d, lay) for n, d, lay in CELLS if n == name}
+        for driver in ("adapter_shard_map", "engine"):
+            assert {(driver, lay) for lay in LAYOUTS} <= ran, name
+
+
+def test_the_layouts_split_what_they_say():
+    """Each layout really splits the state it names (the engine's placed state)."""
+    problem = problem_for("fsdp_tp")
+    outer, inner = harness.registered("diloco", problem, LR, H)
+    *_, state = _engine(outer, inner, problem, mesh_for("fsdp_tp"), "fsdp_tp")
+    shard = lambda x: x.sharding.shard_shape(x.shape)
+    assert shard(state.params["b"]) == (1, 1)  # FSDP: b (2) over data
+    assert shard(state.params["w"]) == (1, 7)  # TP: w (14) over model
+    anchor = state.outer_state.inner_state.anchor  # the outer state where its parameters lie
+    assert shard(anchor["b"]) == (1, 1) and shard(anchor["w"]) == (1, 7)

@@ -200,7 +200,7 @@ def test_bad_participation_is_refused_before_compute(problem, mesh, weights, ste
     before = jax.device_get(state)
     with pytest.raises(ValueError, match=match):
         trainer.round(state, textbook_batch(problem, H), weights=weights, steps=steps)
-    assert not trainer._compiled  # nothing compiled, nothing run
+    assert not trainer._programs  # nothing compiled, nothing run
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), before)
 
 

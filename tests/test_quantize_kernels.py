@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from co2jax.kernels import BlockSizes, api
+from co2jax.kernels import BlockSizes
 from co2jax.kernels import quantize as qk
 
 BLOCK = BlockSizes(block_rows=32)  # int8 tiles are (32, 128) on TPU
@@ -70,20 +70,22 @@ def test_triton_lowering_without_a_gpu():
     q = jax.ShapeDtypeStruct((4, 64, 128), jnp.int8)
     s = jax.ShapeDtypeStruct((4, 64), jnp.float32)
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    with api.target_backend("gpu"):
-        for fn, args in [
-            (lambda x: qk.quantize_int8(x, implementation="pallas", block_sizes=BLOCK), (x,)),
-            (
-                lambda q, s: qk.dequantize_mean_int8(
-                    q, s, implementation="pallas", block_sizes=BLOCK
-                ),
-                (q, s),
+    for fn, args in [
+        (
+            lambda x: qk.quantize_int8(
+                x, implementation="pallas", backend="gpu", block_sizes=BLOCK
             ),
-        ]:
-            exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])(
-                *args
-            )
-            assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+            (x,),
+        ),
+        (
+            lambda q, s: qk.dequantize_mean_int8(
+                q, s, implementation="pallas", backend="gpu", block_sizes=BLOCK
+            ),
+            (q, s),
+        ),
+    ]:
+        exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])(*args)
+        assert "__gpu$xla.gpu.triton" in exported.mlir_module()
 
 
 def test_round_half_even_is_jnp_round():
@@ -154,20 +156,19 @@ def test_packed_triton_lowering_without_a_gpu(fmt):
     p = jax.ShapeDtypeStruct((4, 64, width), jnp.uint8)
     s = jax.ShapeDtypeStruct((4, 64), jnp.float32)
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    with api.target_backend("gpu"):
-        for fn, args in [
-            (
-                lambda x: qk.quantize_packed(x, fmt, implementation="pallas", block_sizes=BLOCK),
-                (x,),
+    for fn, args in [
+        (
+            lambda x: qk.quantize_packed(
+                x, fmt, implementation="pallas", backend="gpu", block_sizes=BLOCK
             ),
-            (
-                lambda p, s: qk.dequantize_mean_packed(
-                    p, s, fmt, implementation="pallas", block_sizes=BLOCK
-                ),
-                (p, s),
+            (x,),
+        ),
+        (
+            lambda p, s: qk.dequantize_mean_packed(
+                p, s, fmt, implementation="pallas", backend="gpu", block_sizes=BLOCK
             ),
-        ]:
-            exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])(
-                *args
-            )
-            assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+            (p, s),
+        ),
+    ]:
+        exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])(*args)
+        assert "__gpu$xla.gpu.triton" in exported.mlir_module()

@@ -66,8 +66,9 @@ def _compile(outer, mesh, **kw):
     trainer = co2jax.RoundTrainer(_loss, optax.adamw(1e-3), outer, mesh, H, **kw)
     sharding = NamedSharding(mesh, P("replica", None, "data"))
     leaf = jax.ShapeDtypeStruct((2, H, BATCH, 512), jnp.float32, sharding=sharding)
-    lowered = trainer.lower(trainer.abstract_state(params), {"x": leaf, "y": leaf})
-    return trainer, lowered.compile().as_text()
+    state = trainer.abstract_state(params)
+    lowered = trainer.lower(state, {"x": leaf, "y": leaf})
+    return trainer.program(state), lowered.compile().as_text()
 
 
 def _entry_replica_sync(text, mesh):
@@ -82,8 +83,8 @@ def _entry_replica_sync(text, mesh):
 def test_auto_spreads_the_delayed_reduction_over_the_steps(name, mesh):
     """auto on TPU: the delayed payload in a chunk per inner step, each chunk's all-gather
     issued inside its iteration and in flight under that step's compute."""
-    trainer, text = _compile(DELAYED[name](), mesh)
-    assert trainer.reducer_kind == "all_gather" and trainer.run[0].chunks == H
+    program, text = _compile(DELAYED[name](), mesh)
+    assert program.reducer_kind == "all_gather" and program.transfers[0].chunks == H
     found = hlo.flights(text, mesh, "replica")
     assert found and all(f.count == H and f.hidden for f in found), found
     assert hlo.hidden_fraction(text, mesh, "replica") == 1.0
@@ -94,8 +95,8 @@ def test_auto_spreads_the_delayed_reduction_over_the_steps(name, mesh):
 def test_unspread_reduction_brackets_the_inner_loop(name, mesh):
     """spread=False on this toy model (no loop inside the inner step): the whole payload's
     all-gather is issued before the loop and done after it (see the model-scale tests)."""
-    trainer, text = _compile(DELAYED[name](), mesh, spread=False)
-    assert trainer.reducer_kind == "all_gather"  # the auto choice on TPU for R <= 4
+    program, text = _compile(DELAYED[name](), mesh, spread=False)
+    assert program.reducer_kind == "all_gather"  # the auto choice on TPU for R <= 4
     seq = hlo.entry_sequence(text)
     loop = seq.index("while")
     starts = [i for i, op in enumerate(seq) if op.endswith("-start")]
@@ -234,10 +235,9 @@ def test_kernel_compiles_for_tpu_at_the_minimum_bytes(name, dtype, replicas, mes
     layout = make_layout(leaf, 512)
     buffer = jax.ShapeDtypeStruct((replicas, layout.total_rows, 128), dtype, sharding=device)
     state = {x: gap if x == "gap_scale" else leaf for x in api.state_names(spec)}
-    update = api.gathered_step(spec, layout, "pallas")
+    update = api.gathered_step(spec, layout, "pallas", backend="tpu")
 
-    with api.target_backend("tpu"):
-        compiled = jax.jit(update, donate_argnums=(1,)).lower(buffer, state).compile()
+    compiled = jax.jit(update, donate_argnums=(1,)).lower(buffer, state).compile()
     text = compiled.as_text()
     assert text.count("tpu_custom_call") >= 2, "one Mosaic kernel per segment"
     cost = compiled.cost_analysis()
@@ -252,8 +252,8 @@ def test_engine_runs_the_mosaic_kernel_on_the_delayed_path(mesh):
     """Unspread on TPU: the all-gathered payloads go straight into the compiled kernel.
     (Spread, each chunk is averaged as it arrives and the update gets the mean: XLA's own
     update, which reaches the minimum bytes for a reduced payload, docs/kernels.md.)"""
-    trainer, text = _compile(DELAYED["co2_gap_aware"](), mesh, spread=False)
-    assert trainer.reducer_kind == "all_gather"
+    program, text = _compile(DELAYED["co2_gap_aware"](), mesh, spread=False)
+    assert program.reducer_kind == "all_gather"
     assert "tpu_custom_call" in text
     seq = hlo.entry_sequence(text)
     loop = seq.index("while")
@@ -267,7 +267,6 @@ def test_int8_kernels_compile_for_tpu(replicas, mesh):
     (32, 128) tiles, a (rows, 1) scale column)."""
     from jax.sharding import SingleDeviceSharding
 
-    from co2jax.kernels import api
     from co2jax.kernels import quantize as qk
 
     device = SingleDeviceSharding(mesh.devices.flat[0])
@@ -275,13 +274,15 @@ def test_int8_kernels_compile_for_tpu(replicas, mesh):
     x = jax.ShapeDtypeStruct((rows, 128), jnp.float32, sharding=device)
     q = jax.ShapeDtypeStruct((replicas, rows, 128), jnp.int8, sharding=device)
     s = jax.ShapeDtypeStruct((replicas, rows), jnp.float32, sharding=device)
-    with api.target_backend("tpu"):
-        for fn, args in [
-            (lambda x: qk.quantize_int8(x, implementation="pallas"), (x,)),
-            (lambda q, s: qk.dequantize_mean_int8(q, s, implementation="pallas"), (q, s)),
-        ]:
-            text = jax.jit(fn).lower(*args).compile().as_text()
-            assert "tpu_custom_call" in text
+    for fn, args in [
+        (lambda x: qk.quantize_int8(x, implementation="pallas", backend="tpu"), (x,)),
+        (
+            lambda q, s: qk.dequantize_mean_int8(q, s, implementation="pallas", backend="tpu"),
+            (q, s),
+        ),
+    ]:
+        text = jax.jit(fn).lower(*args).compile().as_text()
+        assert "tpu_custom_call" in text
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "2bit"])
@@ -290,7 +291,6 @@ def test_packed_kernels_compile_for_tpu(fmt, mesh):
     dequantize-and-average kernels, R = 4, with a ragged last block."""
     from jax.sharding import SingleDeviceSharding
 
-    from co2jax.kernels import api
     from co2jax.kernels import quantize as qk
 
     device = SingleDeviceSharding(mesh.devices.flat[0])
@@ -298,13 +298,17 @@ def test_packed_kernels_compile_for_tpu(fmt, mesh):
     x = jax.ShapeDtypeStruct((rows, 128), jnp.float32, sharding=device)
     p = jax.ShapeDtypeStruct((4, rows, width), jnp.uint8, sharding=device)
     s = jax.ShapeDtypeStruct((4, rows), jnp.float32, sharding=device)
-    with api.target_backend("tpu"):
-        for fn, args in [
-            (lambda x: qk.quantize_packed(x, fmt, implementation="pallas"), (x,)),
-            (lambda p, s: qk.dequantize_mean_packed(p, s, fmt, implementation="pallas"), (p, s)),
-        ]:
-            text = jax.jit(fn).lower(*args).compile().as_text()
-            assert "tpu_custom_call" in text
+    for fn, args in [
+        (lambda x: qk.quantize_packed(x, fmt, implementation="pallas", backend="tpu"), (x,)),
+        (
+            lambda p, s: qk.dequantize_mean_packed(
+                p, s, fmt, implementation="pallas", backend="tpu"
+            ),
+            (p, s),
+        ),
+    ]:
+        text = jax.jit(fn).lower(*args).compile().as_text()
+        assert "tpu_custom_call" in text
 
 
 @pytest.mark.parametrize("name", ["diloco_nesterov", "co2_clip"])
@@ -324,12 +328,11 @@ def test_int8_payloads_fuse_at_the_minimum_bytes(name, mesh):
     codes = jax.ShapeDtypeStruct((replicas, layout.total_rows, 128), jnp.int8, sharding=device)
     scales = jax.ShapeDtypeStruct((replicas, layout.total_rows), jnp.float32, sharding=device)
     state = {x: leaf for x in api.state_names(spec)}
-    with api.target_backend("tpu"):
-        compiled = (
-            jax.jit(api.gathered_step(spec, layout, "pallas"), donate_argnums=(1,))
-            .lower(codes, state, scales)
-            .compile()
-        )
+    compiled = (
+        jax.jit(api.gathered_step(spec, layout, "pallas", backend="tpu"), donate_argnums=(1,))
+        .lower(codes, state, scales)
+        .compile()
+    )
     assert "tpu_custom_call" in compiled.as_text()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -367,8 +370,9 @@ def _model_round(outer, mesh, layers=3, H=4, **kw):
     leaf = jax.ShapeDtypeStruct(
         (R, H, 8 * D, d), jnp.bfloat16, sharding=NamedSharding(mesh, P("replica", None, "data"))
     )
-    lowered = trainer.lower(trainer.abstract_state(params), {"x": leaf, "y": leaf})
-    return trainer, lowered.compile().as_text()
+    state = trainer.abstract_state(params)
+    lowered = trainer.lower(state, {"x": leaf, "y": leaf})
+    return trainer.program(state), lowered.compile().as_text()
 
 
 AT_SCALE = {
@@ -393,8 +397,8 @@ def wide_mesh():
 def test_25m_delayed_reduction_is_in_flight_under_compute(name, wide_mesh):
     """25M parameters, v5e 2x4: every byte of the delayed reduction in flight under an inner
     step's compute (a chunk per step), nothing synchronous over the replica axis."""
-    trainer, text = _model_round(AT_SCALE[name](), wide_mesh)
-    assert trainer.run[0].chunks == 4
+    program, text = _model_round(AT_SCALE[name](), wide_mesh)
+    assert program.transfers[0].chunks == 4
     assert hlo.hidden_fraction(text, wide_mesh, "replica") >= 0.95
     assert not any(not f.hidden for f in hlo.flights(text, wide_mesh, "replica"))
 
@@ -415,6 +419,6 @@ def test_streaming_fragments_are_in_flight_under_compute(wide_mesh):
     shapes["w2"] = s(layers, 4096, 1024)
     frags = co2jax.fragments.make_fragments(shapes, 2, stacked="scale|w1|b1|w2")
     outer = co2jax.streaming_diloco(co2jax.outer_sgd(0.7, 0.9, True), frags, H, tau=2)
-    trainer, text = _model_round(outer, wide_mesh, layers=layers, H=H)
-    assert [t.chunks for t in trainer.run] == [2, 2]
+    program, text = _model_round(outer, wide_mesh, layers=layers, H=H)
+    assert [t.chunks for t in program.transfers] == [2, 2]
     assert hlo.hidden_fraction(text, wide_mesh, "replica") >= 0.95

@@ -264,3 +264,44 @@ def finish(plan: Plan, acc: list) -> Any:
             leaves[i] = vector[offset : offset + n].reshape(form.shapes[i]).astype(form.dtypes[i])
             offset += n
     return jax.tree.unflatten(form.treedef, leaves)
+
+
+class Buffer(NamedTuple):
+    """A payload in flight in chunks, between its send and its apply.
+
+    Attributes:
+      wire: per group, the payload's chunks (:func:`split`, ``[K, ...]``); a plain payload's
+        chunk is replaced by its reduction once reduced (no second buffer).
+      acc: per group, an encoded payload's reduced chunks (:func:`zeros`, ``[K, ...]``);
+        ``None`` for a plain payload.
+    """
+
+    wire: list
+    acc: list | None
+
+
+def fill(plan: Plan, payload: Any, like=None) -> Buffer:
+    """The buffer of ``payload`` before any chunk is reduced. ``like(zeros, refs)`` types an
+    encoded payload's accumulator as its wire arrays (a loop's carry keeps its types)."""
+    wire = split(plan, payload)
+    if not plan.encoded:
+        return Buffer(wire, None)
+    acc = zeros(plan)
+    if like is not None:
+        acc = like(acc, [jax.tree.leaves(w)[0] for w in wire])
+    return Buffer(wire, acc)
+
+
+def reduce_chunk(plan: Plan, reducer: Reducer, buffer: Buffer, c: Any) -> tuple:
+    """Chunk ``c`` of ``buffer`` reduced: ``(buffer, piece, reduced)`` with the reduction
+    written in, the chunk as sent, and its reduced vectors."""
+    piece = take(buffer.wire, c)
+    reduced = reduce(plan, reducer, piece)
+    if plan.encoded:
+        return buffer._replace(acc=put(buffer.acc, c, reduced)), piece, reduced
+    return buffer._replace(wire=put(buffer.wire, c, reduced)), piece, reduced
+
+
+def result(plan: Plan, buffer: Buffer) -> Any:
+    """The reduced payload once every chunk of ``buffer`` is reduced."""
+    return finish(plan, buffer.acc if plan.encoded else buffer.wire)

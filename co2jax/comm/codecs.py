@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from co2jax._checks import check_choice, check_int
+from co2jax.comm.select import top_k_by_magnitude
 from co2jax.kernels import quantize as qk
 from co2jax.kernels.api import check_implementation, resolve
 from co2jax.kernels.spec import LANES
@@ -268,9 +269,7 @@ def topk(k: int, chunk: int = 4096, values: Codec | None = None) -> Codec:
     values = none() if values is None else values
 
     def encode(x):
-        xc = blocks(x, chunk)
-        _, idx = jax.lax.top_k(jnp.abs(xc), k)
-        picked = jnp.take_along_axis(xc, idx, axis=1)
+        idx, picked = top_k_by_magnitude(blocks(x, chunk), k)
         return idx.astype(jnp.uint16), values.encode(picked.reshape(-1))
 
     def decode(enc, n):

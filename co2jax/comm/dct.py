@@ -44,6 +44,7 @@ from co2jax.comm.reducer import (
     gather_reduce,
     per_contributor,
 )
+from co2jax.comm.select import top_k_by_magnitude
 from co2jax.tree import tree_bytes
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -168,8 +169,7 @@ def dct_topk(x: jax.Array, k: int = 32, chunk: int = 64) -> tuple[jax.Array, jax
     """
     coefficients = chunked_dct(x, chunk)
     kept = min(check_int("k", k, 1), coefficients.shape[1])
-    _, idx = jax.lax.top_k(jnp.abs(coefficients), kept)
-    return idx, jnp.take_along_axis(coefficients, idx, axis=1)
+    return top_k_by_magnitude(coefficients, kept)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,6 +72,7 @@ from co2jax.comm.reducer import (
     gather_reduce,
     per_contributor,
 )
+from co2jax.comm.select import lookup, top_k_by_magnitude
 
 BINS = (2, 4, 16, 256)
 """Bin counts whose codes pack whole into bytes (1, 2, 4 or 8 bits)."""
@@ -246,8 +247,7 @@ def _encode_leaf(x: jax.Array, t: Tiling, range_sigmas: float) -> jax.Array:
     if not t.values:
         return jnp.zeros((0,), jnp.uint8)
     xc = t.split(x.astype(jnp.float32))
-    _, idx = jax.lax.top_k(jnp.abs(xc), t.k)  # a NaN ranks first: it reaches the shift
-    picked = jnp.take_along_axis(xc, idx, axis=1)
+    idx, picked = top_k_by_magnitude(xc, t.k)  # a NaN ranks first: it reaches the shift
     codes, shift, scale, lookup = quantize_values(picked, t.bins, range_sigmas)
     meta = jnp.concatenate([shift[None], scale[None], lookup])
     parts = [
@@ -265,7 +265,7 @@ def _decode_leaf(wire: jax.Array, t: Tiling) -> tuple[jax.Array, jax.Array]:
     meta = jax.lax.bitcast_convert_type(wire[:, :meta_n].reshape(r, -1, 4), jnp.float32)
     idx = _unpack12(wire[:, meta_n : meta_n + index_n], t.values)
     codes = _unpack_codes(wire[:, meta_n + index_n :], t.values, t.bits)
-    vals = jnp.take_along_axis(meta[:, 2:], codes, axis=1) + meta[:, :1]
+    vals = lookup(meta[:, 2:], codes) + meta[:, :1]
     shape = (r, t.chunks, t.k)
     return idx.reshape(shape), vals.reshape(shape)
 

@@ -12,6 +12,7 @@ import optax
 from co2jax._checks import check_int, check_transform
 from co2jax.comm import chunks
 from co2jax.comm.reducer import Reducer, as_reducer, values
+from co2jax.engines.walk import act, walk
 from co2jax.protocol import OuterOptimizer, Transfer, chunk_steps, payload_shapes, resolve
 from co2jax.protocol import spread as spread_schedule
 from co2jax.tree import tree_all_finite, tree_select
@@ -25,9 +26,9 @@ class LocalUpdatesState(NamedTuple):
       outer_state: the outer optimizer's state (see its own documentation).
       count: 0-d int32, the number of steps taken so far.
       inflight: per transfer of the schedule, what is on the wire between its send and its
-        apply: the reduced payload, or for a transfer in chunks its payload cut into chunks
-        (``[chunks, size]`` per leaf), each replaced by its reduction once reduced; ``()``
-        for a transfer sent and applied at the same step.
+        apply: the reduced payload, or for a transfer in chunks a
+        :class:`co2jax.comm.chunks.Buffer`; ``()`` for a transfer sent and applied at the
+        same step.
     """
 
     inner_state: optax.OptState
@@ -111,10 +112,6 @@ def local_updates(
         )
     reducer = outer.reducer if reduce is None else as_reducer(reduce)
     inner = optax.with_extra_args_support(inner)
-
-    def payloads(params, outer_state) -> list:
-        return [payload_shapes(outer, params, outer_state, i) for i in range(len(planned))]
-
     if spread and not reducer.chunkable:
         raise ValueError(
             f"spread={spread!r}: the reducer {reducer.name!r} sends its payload only whole "
@@ -122,6 +119,10 @@ def local_updates(
         )
     whole = spread is False or not reducer.chunkable
     run = planned if whole else spread_schedule(planned)  # the schedule as run
+    schedule = walk(run, H)
+
+    def payloads(params, outer_state) -> list:
+        return [payload_shapes(outer, params, outer_state, i) for i in range(len(run))]
 
     def init(params: optax.Params) -> LocalUpdatesState:
         outer_state = outer.init(params)
@@ -135,8 +136,7 @@ def local_updates(
             else:
                 plan = chunks.plan(payload, reducer, t.chunks)
                 zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), payload)
-                acc = chunks.zeros(plan) if plan.encoded else None
-                inflight.append({"wire": chunks.split(plan, zeros), "acc": acc})
+                inflight.append(chunks.fill(plan, zeros))
         count = jnp.zeros([], jnp.int32)
         return LocalUpdatesState(inner.init(params), outer_state, count, tuple(inflight))
 
@@ -144,60 +144,116 @@ def local_updates(
         if params is None:
             raise ValueError("local_updates needs params: call update(grads, state, params)")
         k = state.count % H
-        shapes = payloads(params, state.outer_state)
-        outer_state, inflight = state.outer_state, list(state.inflight)
-
-        # before the step: sends, then the chunks due now
-        for i, t in enumerate(run):
-            if t.send == t.apply:
-                continue
-
-            def send(carry, i=i, t=t):
-                payload, ostate = outer.send(params, carry[0], i)
-                if t.chunks == 1:
-                    return ostate, _typed_like(values(reducer(payload)), carry[1])
-                wire = chunks.split(chunks.plan(payload, reducer, t.chunks), payload)
-                return ostate, {**carry[1], "wire": wire}
-
-            outer_state, inflight[i] = jax.lax.cond(
-                k == t.send, send, lambda carry: carry, (outer_state, inflight[i])
-            )
+        driver = _Driver(outer, run, reducer, payloads(params, state.outer_state))
+        carry = _Carry(params, state.outer_state, tuple(state.inflight))
+        # before the step: the sends at boundary k, then the chunks due before step k
+        carry = _at_step(k, H, schedule.before, driver, carry, moves_params=False)
         for i, t in enumerate(run):
             if t.chunks > 1:
-                plan = chunks.plan(shapes[i], reducer, t.chunks)
-                inflight[i] = _reduce_chunk(reducer, t, H, k, inflight[i], plan)
-
+                carry = _chunk_due(k, H, t, i, driver, carry)
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
         if outer.recovers_nonfinite:  # a NaN step is skipped: params can't be reset later
             ok = tree_all_finite(updates) & tree_all_finite(inner_state)
             updates = tree_select(ok, updates, jax.tree.map(jnp.zeros_like, updates))
             inner_state = tree_select(ok, inner_state, state.inner_state)
         local = optax.apply_updates(params, updates)
-
         # after the step: the transfers applied at the boundary it completes
-        for i, t in enumerate(run):
-
-            def finish(carry, i=i, t=t):
-                local, ostate, held = carry
-                if t.send == t.apply:
-                    payload, ostate = outer.send(local, ostate, i)
-                    reduced = reducer(payload)
-                elif t.chunks == 1:
-                    reduced = held
-                else:
-                    plan = chunks.plan(shapes[i], reducer, t.chunks)
-                    reduced = chunks.finish(plan, held["acc"] if plan.encoded else held["wire"])
-                local, ostate = outer.apply(local, ostate, i, reduced)
-                return local, ostate, held
-
-            local, outer_state, inflight[i] = jax.lax.cond(
-                k + 1 == t.apply, finish, lambda carry: carry, (local, outer_state, inflight[i])
-            )
-        moved = jax.tree.map(lambda s, p, u: (s - p).astype(u.dtype), local, params, updates)
+        carry = _at_step(k, H, schedule.after, driver, carry._replace(params=local), True)
+        moved = jax.tree.map(lambda s, p, u: (s - p).astype(u.dtype), carry.params, params, updates)
         count = state.count + 1
-        return moved, LocalUpdatesState(inner_state, outer_state, count, tuple(inflight))
+        new = LocalUpdatesState(inner_state, carry.outer_state, count, carry.inflight)
+        return moved, new
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+class _Carry(NamedTuple):
+    params: Any
+    outer_state: Any
+    inflight: tuple
+
+
+class _Driver:
+    """The adapter's send, chunk and apply (:class:`co2jax.engines.walk.Driver`); its steps
+    are the optax loop's, one per call."""
+
+    def __init__(self, outer: OuterOptimizer, run: tuple, reducer: Reducer, shapes: list):
+        self.outer, self.run, self.reducer, self.shapes = outer, run, reducer, shapes
+        self.synced: dict[int, Any] = {}  # sent and applied in one boundary: never stored
+
+    def _hold(self, c: _Carry, i: int, held) -> _Carry:
+        return c._replace(inflight=(*c.inflight[:i], held, *c.inflight[i + 1 :]))
+
+    def _plan(self, i: int):
+        return chunks.plan(self.shapes[i], self.reducer, self.run[i].chunks)
+
+    def send(self, c: _Carry, i: int) -> _Carry:
+        t = self.run[i]
+        payload, state = self.outer.send(c.params, c.outer_state, i)
+        c = c._replace(outer_state=state)
+        if t.send == t.apply:
+            self.synced[i] = self.reducer(payload)
+            return c
+        if t.chunks == 1:
+            return self._hold(c, i, _typed_like(values(self.reducer(payload)), c.inflight[i]))
+        return self._hold(c, i, c.inflight[i]._replace(wire=chunks.split(self._plan(i), payload)))
+
+    def chunk(self, c: _Carry, i: int, k: Any) -> _Carry:
+        buffer, _, _ = chunks.reduce_chunk(self._plan(i), self.reducer, c.inflight[i], k)
+        return self._hold(c, i, buffer)
+
+    def apply(self, c: _Carry, i: int) -> _Carry:
+        t = self.run[i]
+        if t.send == t.apply:
+            reduced = self.synced.pop(i)
+        elif t.chunks == 1:
+            reduced = c.inflight[i]
+        else:
+            reduced = chunks.result(self._plan(i), c.inflight[i])
+        params, state = self.outer.apply(c.params, c.outer_state, i, reduced)
+        return c._replace(params=params, outer_state=state)
+
+    def segment(self, c: _Carry, segment) -> _Carry:  # the optax loop runs the steps
+        raise NotImplementedError("the per-step adapter runs one step per update call")
+
+
+def _at_step(k, H: int, actions_of, driver: _Driver, carry: _Carry, moves_params: bool):
+    """The actions ``actions_of(j)`` of the step ``j == k`` (traced), in one ``lax.switch``
+    over the distinct action lists (none: nothing runs). Unless the actions may move the
+    parameters (applies), the parameters are closed over, not passed: a branch that does
+    not read them (a delayed payload's send) leaves its outputs independent of them."""
+    branches: list = []
+    table = np.zeros(H, np.int32)
+    for j in range(H):
+        actions = actions_of(j)
+        if not actions:
+            continue
+        key = tuple((a.kind, a.transfer) for a in actions)
+        found = [n for n, (other, _) in enumerate(branches) if other == key]
+        if not found:
+            branches.append((key, actions))
+            found = [len(branches) - 1]
+        table[j] = found[0] + 1
+    if not branches:
+        return carry
+    if moves_params:
+        run = lambda actions: lambda c: act(driver, c, actions)
+        operand, rebuild = carry, lambda out: out
+    else:
+
+        def run(actions):
+            def branch(rest):
+                c = act(driver, carry._replace(outer_state=rest[0], inflight=rest[1]), actions)
+                return c.outer_state, c.inflight
+
+            return branch
+
+        operand = (carry.outer_state, carry.inflight)
+        rebuild = lambda out: carry._replace(outer_state=out[0], inflight=out[1])
+    fns = [lambda c: c] + [run(actions) for _, actions in branches]
+    if len(fns) == 2:  # a cond: under vmap a select, under shard_map a real branch
+        return rebuild(jax.lax.cond(jnp.asarray(table)[k] > 0, fns[1], fns[0], operand))
+    return rebuild(jax.lax.switch(jnp.asarray(table)[k], fns, operand))
 
 
 def _typed_like(new: Any, old: Any) -> Any:
@@ -207,20 +263,12 @@ def _typed_like(new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(True, n.astype(o.dtype), o), new, old)
 
 
-def _reduce_chunk(reducer, t: Transfer, H: int, k, held: dict, plan):
-    """Reduces the chunk of ``t`` due at step ``k`` (if any): a plain payload's chunk in place
-    of its wire chunk, an encoded one's into ``acc``."""
-
-    def reduce(held, c):
-        reduced = chunks.reduce(plan, reducer, chunks.take(held["wire"], c))
-        if plan.encoded:
-            return {**held, "acc": chunks.put(held["acc"], c, reduced)}
-        return {**held, "wire": chunks.put(held["wire"], c, reduced)}
-
+def _chunk_due(k, H: int, t: Transfer, i: int, driver: _Driver, carry: _Carry) -> _Carry:
+    """Reduces the chunk of transfer ``i`` due before step ``k`` (if any)."""
     steps = chunk_steps(t)
     if steps == list(range(H)):  # a chunk every step: no branch, each step's collective
-        return reduce(held, k)  # is independent of that step's gradients
+        return driver.chunk(carry, i, k - t.send)  # is independent of that step's gradients
     table = np.full(H, -1, np.int32)
     table[steps] = np.arange(t.chunks)
     c = jnp.asarray(table)[k]
-    return jax.lax.cond(c >= 0, lambda h: reduce(h, jnp.maximum(c, 0)), lambda h: h, held)
+    return jax.lax.cond(c >= 0, lambda h: driver.chunk(h, i, jnp.maximum(c, 0)), lambda h: h, carry)

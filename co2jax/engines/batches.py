@@ -1,7 +1,7 @@
 """The round engine's check of a round's batch against the mesh, H and the loss.
 
 A batch is a pytree of ``[replica, H, B, ...]`` leaves, B a multiple of the ``data`` axis
-size; the loss must return a scalar on one device's slice. The shape checks run on every
+size; the loss must return a scalar on one replica's batch of a step. The shape checks run on every
 round; the loss is traced once per parameter and batch shapes (a trace costs more than a
 small model's round).
 """
@@ -49,9 +49,7 @@ def check_batch(params: Any, batch: Any, replicas: int, H: int, data: int, loss_
     if key in checked:
         return
     one_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)
-    one = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((x.shape[2] // data, *x.shape[3:]), x.dtype), batch
-    )
+    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), batch)
     out = jax.eval_shape(loss_fn, one_params, one)
     if not (hasattr(out, "shape") and out.shape == ()):
         raise ValueError(

@@ -1,215 +1,200 @@
-"""An outer optimizer's schedule run inside one round program: before, in and after the loop.
+"""The round engine's driver of the schedule walk: a round as one program of segments.
 
-The inner steps of a round are ``lax.scan`` loops: one loop, or (when a transfer acts inside
-the round) one loop per *segment*, the round cut at every step where a transfer is sent or
-applied or its chunks start or stop. Each transfer of the schedule
-(:func:`co2jax.protocol.plan`) is run where its steps fall:
+:func:`co2jax.engines.walk.run` walks the round; this driver says how each piece runs inside
+the replica's manual region (whole logical tensors, the data and model layout left to the
+compiler):
 
-- in one piece, sent at one boundary and applied at a later one (a delayed algorithm: steps
-  0 and H; a Streaming DiLoCo fragment: its send step and tau steps later): its reduction is
-  issued at the send boundary and consumed at the apply boundary;
-- sent and applied at the same boundary (a synchronous algorithm: after the last step);
-- in chunks (``Transfer(chunks=K)``, the spread schedule): its payload goes into the
-  segment's carry, cut into chunks (:mod:`co2jax.comm.chunks`); iteration k reduces the
-  chunk due at step k, independent of that step's forward and backward pass, so the compiler
-  can run the collective under the step's compute.
+- a segment of inner steps is one ``lax.scan`` (one step: straight-line code);
+- a transfer in one piece sent at one boundary and applied at a later one (a delayed
+  algorithm: steps 0 and H; a Streaming DiLoCo fragment: its send step and tau steps later)
+  is reduced at its send and consumed at its apply, outside the loops between them, so the
+  compiler may run its collective under their compute;
+- a transfer in chunks (``Transfer(chunks=K)``) is held in the loop's carry as a
+  :class:`co2jax.comm.chunks.Buffer`; step k reduces the chunk due then, independent of that
+  step's forward and backward pass, so the collective can hide under the step's compute.
 
 No action runs under a ``lax.cond``: a loop with a branch per action measured 1.39x DiLoCo's
 round time for Streaming DiLoCo on CPU, the segments 1.12x (XLA:CPU copies a branch's
-operands in and out at every step).
-
-Chunks are cut on the payload's wire form, so a transfer in chunks reduces to exactly the
-values of its whole reduction (:mod:`co2jax.comm.chunks`).
+operands in and out at every step). Chunks are cut on the payload's wire form, so a transfer
+in chunks reduces to exactly its whole reduction's values (:mod:`co2jax.comm.chunks`).
 """
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from co2jax.axes import REPLICA
 from co2jax.comm import chunks
 from co2jax.comm.reducer import values
-from co2jax.engines.sharding import split_sums
-from co2jax.protocol import OuterOptimizer, Transfer
-from co2jax.tree import varying_axes
+from co2jax.engines.layout import constrain
+from co2jax.engines.walk import Segment, Walk
+from co2jax.protocol import OuterOptimizer
+from co2jax.tree import tree_select, varying_like
 
 
 class Carry(NamedTuple):
+    """What a round carries through its loops.
+
+    Attributes:
+      params, inner_state, outer_state: the replica's.
+      sums: ``[transfers, 3]``: ``|payload|^2``, ``|reduced|^2`` and ``<payload, reduced>``
+        of this round's transfers (their values; for the metrics).
+      inflight: per transfer, its :class:`~co2jax.comm.chunks.Buffer` while it is in
+        chunks, else ``()``.
+    """
+
     params: Any
     inner_state: Any
     outer_state: Any
-    sums: jax.Array  # [transfers, 3]: |payload|^2, |reduced|^2, <payload, reduced> this round
-    inflight: tuple  # per transfer: its chunk buffers in the loop, or ()
+    sums: jax.Array
+    inflight: tuple
 
 
-def _cosine(sums: jax.Array) -> jax.Array:
-    pp, rr, pr = sums[..., 0], sums[..., 1], sums[..., 2]
+class Specs(NamedTuple):
+    """Per-replica ``PartitionSpec`` trees the round keeps its state in."""
+
+    params: Any
+    inner_state: Any
+    outer_state: Any
+
+
+def sums(payload_values: list, reduced_values: list) -> jax.Array:
+    """``[|p|^2, |r|^2, <p, r>]`` over pairs of arrays, in float32."""
+    total = jnp.zeros(3, jnp.float32)
+    for p, r in zip(payload_values, reduced_values, strict=True):
+        p, r = p.astype(jnp.float32), r.astype(jnp.float32)
+        total = total + jnp.stack([jnp.sum(p * p), jnp.sum(r * r), jnp.sum(p * r)])
+    return total
+
+
+def cosine(s: jax.Array) -> jax.Array:
+    """The cosine of :func:`sums`' payload and reduction (0 where either is 0)."""
+    pp, rr, pr = s[..., 0], s[..., 1], s[..., 2]
     ok = pp * rr > 0
     return jnp.where(ok, pr / jnp.sqrt(jnp.where(ok, pp * rr, 1.0)), 0.0)
 
 
-def _like(zeros: Any, ref: Any) -> Any:
-    """``zeros`` typed as varying over the mesh axes ``ref`` varies over (a scan carry and a
-    ``lax.cond`` branch keep their types)."""
+class RoundDriver:
+    """Runs a :class:`~co2jax.engines.walk.Walk` inside one replica's round program.
 
-    def leaf(z, r):
-        axes = varying_axes(r)
-        missing = tuple(sorted((axes or frozenset()) - (varying_axes(z) or frozenset())))
-        return jax.lax.pcast(z, missing, to="varying") if missing else z
-
-    return jax.tree.map(leaf, zeros, ref)
-
-
-class RoundSchedule:
-    """The schedule of ``outer`` for rounds of ``steps`` inner steps, one reducer per transfer.
-
-    ``payload_shapes``: per transfer, the (whole-parameter) shapes of its payload's values,
-    for the metrics of a split outer state; ``layout``: the engine's
-    :class:`~co2jax.engines.sharding.Layout`.
+    Args:
+      outer: the algorithm.
+      walk: the round's walk (transfers as run).
+      reducers: one per transfer.
+      step: ``step(carry, batch_k, k) -> (carry, loss)``, one inner step.
+      batch: the round's batch, ``[H, ...]`` leaves.
+      specs: where the state is kept (:class:`Specs`).
     """
 
     def __init__(
         self,
         outer: OuterOptimizer,
-        transfers: tuple[Transfer, ...],
+        walk: Walk,
         reducers: tuple,
-        layout,
-        steps: int,
-        payload_shapes: list,
+        step: Callable,
+        batch: Any,
+        specs: Specs,
     ):
-        self.outer, self.transfers, self.reducers = outer, transfers, reducers
-        self.layout, self.steps, self.payload_shapes = layout, steps, payload_shapes
-        # in the loop's carry: a transfer in chunks; one in one piece is reduced where it is
-        # sent, at a boundary, and consumed at its apply boundary
-        self.carried = tuple(t.send != t.apply and t.chunks > 1 for t in transfers)
-
-    # --------------------------------------------------------------------------------------
-
-    def _send(self, c: Carry, i: int):
-        payload, state = self.outer.send(self.layout.shard(c.params), c.outer_state, i)
-        return c._replace(outer_state=state), payload
-
-    def _apply(self, c: Carry, i: int, reduced) -> Carry:
-        shards, state = self.outer.apply(self.layout.shard(c.params), c.outer_state, i, reduced)
-        return c._replace(
-            params=self.layout.unshard(shards, c.params),
-            outer_state=self.layout.data_invariant(state, c.outer_state),
-        )
-
-    def _add(self, c: Carry, i: int, triple: jax.Array) -> Carry:
-        return c._replace(sums=c.sums.at[i].add(triple))
-
-    def _whole_stats(self, i: int, payload, reduced) -> jax.Array:
-        pairs = zip(
-            jax.tree.leaves(values(payload)),
-            jax.tree.leaves(values(reduced)),
-            jax.tree.leaves(self.payload_shapes[i]),
-            strict=True,
-        )
-        return self.layout.sums(list(pairs))
-
-    def _piece_stats(self, i: int, plan, piece, reduced) -> jax.Array:
-        """The statistics of one chunk: a group holding a data shard is summed over data."""
-        full = jax.tree.leaves(self.payload_shapes[i])
-        sharded = [
-            any(plan.form.shapes[j] != tuple(full[j].shape) for j in group)
-            for group in plan.form.groups
-        ]
-        pieces = chunks.piece_values(plan, piece)
-        return split_sums(list(zip(pieces, reduced, sharded, strict=True)))
-
-    # buffers of a transfer in chunks: {"wire": chunk buffer, "acc": reduced chunks or None
-    # (a plain payload's reduced chunk replaces its own wire chunk)}
-
-    def _fill(self, plan, payload) -> dict:
-        wire = chunks.split(plan, payload)
-        if not plan.encoded:
-            return {"wire": wire, "acc": None}
-        # typed as the group's wire arrays: what a reduced chunk of them varies over
-        refs = [jax.tree.leaves(w)[0] for w in wire]
-        return {"wire": wire, "acc": _like(chunks.zeros(plan), refs)}
-
-    def _reduce_chunk(self, c: Carry, i: int, plan, chunk) -> Carry:
-        held = c.inflight[i]
-        piece = chunks.take(held["wire"], chunk)
-        reduced = chunks.reduce(plan, self.reducers[i], piece)
-        stats = self._piece_stats(i, plan, piece, reduced)
-        if plan.encoded:
-            held = {"wire": held["wire"], "acc": chunks.put(held["acc"], chunk, reduced)}
-        else:
-            held = {"wire": chunks.put(held["wire"], chunk, reduced), "acc": None}
-        return self._add(self._hold(c, i, held), i, stats)
-
-    def _finish_chunks(self, c: Carry, i: int, plan) -> Carry:
-        held = c.inflight[i]
-        reduced = chunks.finish(plan, held["acc"] if plan.encoded else held["wire"])
-        return self._apply(c, i, reduced)
-
-    def _sync(self, c: Carry, i: int) -> Carry:
-        c, payload = self._send(c, i)
-        reduced = self.reducers[i](payload)
-        return self._add(self._apply(c, i, reduced), i, self._whole_stats(i, payload, reduced))
-
-    # --------------------------------------------------------------------------------------
-
-    def segments(self) -> list[tuple[int, int]]:
-        """The loop's segments ``[start, stop)``: the round cut at every step where a
-        transfer is sent or applied or its chunks stop (a delayed or synchronous algorithm:
-        one loop)."""
-        H = self.steps
-        cuts = {0, H}
-        for t in self.transfers:
-            cuts |= {t.send, t.apply}
-            if t.chunks > 1:
-                cuts.add(min(H, t.send + t.chunks))
-        cuts = sorted(cuts)
-        return list(itertools.pairwise(cuts))
-
-    def boundary(self, b: int, c: Carry, store: dict, plans: dict) -> Carry:
-        """The actions at boundary ``b`` between segments, in :func:`co2jax.protocol.plan`'s
-        order: applies (and transfers sent and applied there), then sends."""
-        if b == 0:
-            c = c._replace(sums=_like(c.sums, jax.lax.axis_index(REPLICA)))
-        for i, t in enumerate(self.transfers):  # applied at b
-            if t.apply != b:
-                continue
-            if t.send == t.apply:
-                c = self._sync(c, i)
-            elif self.carried[i]:
-                c = self._finish_chunks(c, i, plans[i])
-                c = self._hold(c, i, ())
-            else:
-                payload, reduced = store.pop(i)
-                c = self._add(self._apply(c, i, reduced), i, self._whole_stats(i, payload, reduced))
-        for i, t in enumerate(self.transfers):  # sent at b, applied later
-            if t.send != b or t.apply == b:
-                continue
-            if not self.carried[i]:
-                c, payload = self._send(c, i)
-                store[i] = (payload, self.reducers[i](payload))
-            else:
-                c, payload = self._send(c, i)
-                plans[i] = chunks.plan(payload, self.reducers[i], t.chunks)
-                c = self._hold(c, i, self._fill(plans[i], payload))
-        return c
+        self.outer, self.walk, self.reducers = outer, walk, reducers
+        self.step, self.batch, self.specs = step, batch, specs
+        self.store: dict[int, tuple[Any, Any]] = {}  # a transfer in one piece, in flight
+        self.plans: dict[int, chunks.Plan] = {}
+        self.losses: list[jax.Array] = []
 
     def _hold(self, c: Carry, i: int, held) -> Carry:
         return c._replace(inflight=(*c.inflight[:i], held, *c.inflight[i + 1 :]))
 
-    def in_step(self, k: jax.Array, c: Carry, plans: dict, segment: tuple[int, int]) -> Carry:
-        """Before inner step ``k`` of ``segment``: the chunks due (one per step and transfer
-        in chunks over this segment; no branch, each step's collective independent)."""
-        for i, t in enumerate(self.transfers):
-            if self.carried[i] and t.send <= segment[0] < t.send + t.chunks:
-                c = self._reduce_chunk(c, i, plans[i], k - t.send)
-        return c
+    def _add(self, c: Carry, i: int, s: jax.Array) -> Carry:
+        return c._replace(sums=c.sums.at[i].add(s))
 
-    def metrics(self, c: Carry) -> tuple[jax.Array, jax.Array]:
-        """The round's payload norm (all transfers) and mean cosine to the reduced mean."""
-        if not self.transfers:
-            return jnp.float32(0), jnp.float32(0)
-        return jnp.sqrt(jnp.sum(c.sums[:, 0])), jnp.mean(_cosine(c.sums))
+    def send(self, c: Carry, i: int) -> Carry:
+        payload, state = self.outer.send(c.params, c.outer_state, i)
+        c = c._replace(outer_state=constrain(state, self.specs.outer_state))
+        t = self.walk.transfers[i]
+        if t.chunks == 1:
+            self.store[i] = (payload, self.reducers[i](payload))
+            return c
+        self.plans[i] = chunks.plan(payload, self.reducers[i], t.chunks)
+        return self._hold(c, i, chunks.fill(self.plans[i], payload, varying_like))
+
+    def chunk(self, c: Carry, i: int, k: Any) -> Carry:
+        plan = self.plans[i]
+        buffer, piece, reduced = chunks.reduce_chunk(plan, self.reducers[i], c.inflight[i], k)
+        c = self._add(c, i, sums(chunks.piece_values(plan, piece), reduced))
+        return self._hold(c, i, buffer)
+
+    def apply(self, c: Carry, i: int) -> Carry:
+        if i in self.plans:
+            reduced = chunks.result(self.plans.pop(i), c.inflight[i])
+            c = self._hold(c, i, ())
+        else:
+            payload, reduced = self.store.pop(i)
+            pairs = (jax.tree.leaves(values(payload)), jax.tree.leaves(values(reduced)))
+            c = self._add(c, i, sums(*pairs))
+        params, state = self.outer.apply(c.params, c.outer_state, i, reduced)
+        return c._replace(
+            params=constrain(params, self.specs.params),
+            outer_state=constrain(state, self.specs.outer_state),
+        )
+
+    def segment(self, c: Carry, segment: Segment) -> Carry:
+        start, stop = segment.start, segment.stop
+        sends = {i: self.walk.transfers[i].send for i in segment.chunked}
+
+        def one(c: Carry, xs) -> tuple[Carry, jax.Array]:
+            b, k = xs
+            for i, send in sends.items():  # no branch: each step's collective independent
+                c = self.chunk(c, i, k - send)
+            return self.step(c, b, k)
+
+        xs = (jax.tree.map(lambda x: x[start:stop], self.batch), jnp.arange(start, stop))
+        if stop - start == 1:  # one step: straight-line code, not a loop of one
+            c, loss = one(c, jax.tree.map(lambda x: x[0], xs))
+            self.losses.append(loss[None])
+            return c
+        c, losses = jax.lax.scan(one, self._placed(c), xs)
+        self.losses.append(losses)
+        return self._placed(c)
+
+    def _placed(self, c: Carry) -> Carry:
+        """The state where the layout says around a loop: the loop's carry keeps it (sharding
+        propagation from an outer update on a split outer state would otherwise split the
+        parameters in the loop and gather them at every step)."""
+        return c._replace(
+            params=constrain(c.params, self.specs.params),
+            inner_state=constrain(c.inner_state, self.specs.inner_state),
+            outer_state=constrain(c.outer_state, self.specs.outer_state),
+        )
+
+
+def inner_step(loss_fn, inner, specs: Specs, taken=None) -> Callable:
+    """``step(carry, batch_k, k) -> (carry, loss)``: one inner step of the replica on its
+    whole batch (the compiler averages the gradients over ``data`` and splits the math over
+    ``model`` as the shardings say). ``taken``: the replica's step count this round; a step
+    at or past it leaves the parameters and the inner state as they are."""
+
+    def step(c: Carry, batch, k) -> tuple[Carry, jax.Array]:
+        # the loop's carry where the layout says, at the step's start and end: sharding
+        # propagation would otherwise carry a split outer state's layout into the steps
+        c = c._replace(
+            params=constrain(c.params, specs.params),
+            inner_state=constrain(c.inner_state, specs.inner_state),
+            outer_state=constrain(c.outer_state, specs.outer_state),
+        )
+        loss, grads = jax.value_and_grad(loss_fn)(c.params, batch)
+        updates, inner_state = inner.update(grads, c.inner_state, c.params)
+        params = optax.apply_updates(c.params, updates)
+        if taken is not None:  # a replica with fewer steps this round holds after them
+            params, inner_state = tree_select(
+                k < taken, (params, inner_state), (c.params, c.inner_state)
+            )
+        params = constrain(params, specs.params)
+        inner_state = constrain(inner_state, specs.inner_state)
+        outer_state = constrain(c.outer_state, specs.outer_state)
+        return c._replace(params=params, inner_state=inner_state, outer_state=outer_state), loss
+
+    return step

@@ -56,7 +56,7 @@ from co2jax.engines.exchange import Exchange, PeerError, Peers
 from co2jax.engines.jobstate import JobState
 from co2jax.engines.membership import Membership
 from co2jax.engines.round import RoundTrainer, TrainState
-from co2jax.mesh import make_mesh
+from co2jax.mesh import compiler_sharded, make_mesh
 from co2jax.protocol import OuterOptimizer, plan, resolve
 from co2jax.tree import fingerprint
 
@@ -153,7 +153,7 @@ class JobTrainer:
                 )
             )
         jobstate.check_options(outer, peers, self.transfers, sync_every, drift_every, dylu, late)
-        mesh = mesh if mesh is not None else make_mesh(replica=1, data=-1)
+        mesh = compiler_sharded(mesh if mesh is not None else make_mesh(replica=1, data=-1))
         if mesh.shape.get(REPLICA) != 1:
             raise ValueError(
                 f"a job's mesh must have replica=1 (replicas are jobs), got {dict(mesh.shape)}"

@@ -1,21 +1,21 @@
 """The round engine: H inner steps and the outer communication of every replica as one program.
 
-One call of :meth:`RoundTrainer.round` runs, on every device of a ``(replica, data, model)``
-mesh (``jax.shard_map``), the H inner steps as one ``lax.scan`` (never unrolled): gradients
-averaged over ``data`` inside the replica, nothing over ``replica``. The outer optimizer's
-schedule (:func:`co2jax.protocol.plan`) runs where its steps fall
-(:mod:`co2jax.engines.execute`): a delayed algorithm's payload is sent before the loop and
-applied after it, with no data dependence either way, so the compiler may run its reduction
-concurrently with the loop; a transfer in chunks reduces chunk k inside iteration k, under
-that step's compute; Streaming DiLoCo's fragments are sent and merged inside the iterations
-their steps fall in.
+One call of :meth:`RoundTrainer.round` runs every replica's round on a ``(replica, data,
+model)`` mesh, mapped by hand over ``replica`` only (:func:`co2jax.mesh.replica_map`): the H
+inner steps as ``lax.scan`` loops (never unrolled) and the outer optimizer's schedule where
+its steps fall (:mod:`co2jax.engines.walk`, run by :mod:`co2jax.engines.execute`). A delayed
+algorithm's payload is sent before the loop and applied after it, with no data dependence
+either way, so the compiler may run its reduction concurrently with the loop; a transfer in
+chunks reduces chunk k inside iteration k, under that step's compute; Streaming DiLoCo's
+fragments are sent and merged inside the iterations their steps fall in.
 
+Inside a replica, the algorithm, the inner optimizer and ``loss_fn`` see whole logical
+tensors and the replica's whole batch; how they are split over ``data`` and ``model`` is a
+sharding the compiler keeps (:mod:`co2jax.engines.layout`): the batch over ``data``, the
+parameters as ``param_specs`` say (tensor parallelism), with ``fsdp`` also over ``data``,
+and with ``shard_outer_state`` the outer state 1/D per device. A layout changes no value.
 Per-replica state carries an explicit leading replica axis sharded over ``replica``
-(parameters that entered replica-invariant would silently become data-parallel). With
-``shard_outer_state=True`` the outer step runs on 1/D of every parameter-shaped leaf per
-device, and with ``fsdp=True`` the parameters and inner state are sharded too
-(:mod:`co2jax.engines.sharding`). Both need element-wise optimizers (every co2jax algorithm,
-AdamW and SGD are).
+(parameters that entered replica-invariant would silently become data-parallel).
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, co2jax
@@ -42,17 +42,18 @@ from jax.sharding import PartitionSpec as P
 
 from co2jax import compilation_cache
 from co2jax._checks import check_transform
-from co2jax.axes import DATA, REPLICA
-from co2jax.comm import chunks, policy
+from co2jax.axes import DATA, MODEL, REPLICA
+from co2jax.comm import policy
 from co2jax.comm.participation import check_participation, weighted
 from co2jax.comm.reducer import values
+from co2jax.engines import walk as walker
 from co2jax.engines.batches import check_batch, shapes_key
-from co2jax.engines.execute import Carry, RoundSchedule, _like
-from co2jax.engines.sharding import Layout
-from co2jax.kernels.api import target_backend
+from co2jax.engines.execute import Carry, RoundDriver, Specs, cosine, inner_step
+from co2jax.engines.layout import Layout, full_spec
+from co2jax.engines.program import RoundPlan, RoundProgram, check_spread, choose
+from co2jax.mesh import compiler_sharded, replica_map
 from co2jax.protocol import OuterOptimizer, resolve
-from co2jax.protocol import spread as spread_transfers
-from co2jax.tree import tree_all_finite, tree_bytes, tree_select
+from co2jax.tree import tree_all_finite, tree_select, varying_like
 
 REDUCER_CHOICES = policy.CHOICES
 
@@ -98,11 +99,12 @@ class RoundTrainer:
     """Builds and runs the round program of an outer-optimizer algorithm on a mesh.
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> scalar`` for one inner step on one device's slice
-        of the batch.
-      inner: the inner optax transform.
+      loss_fn: ``loss_fn(params, batch) -> scalar`` for one inner step of one replica on its
+        whole batch of the step (``[B, ...]`` leaves; the compiler splits it over ``data``).
+      inner: the inner optax transform (any: it sees whole tensors at every layout).
       outer: an :class:`~co2jax.OuterOptimizer`.
-      mesh: a mesh with ``"replica"`` and ``"data"`` axes (see :func:`co2jax.make_mesh`).
+      mesh: a mesh with ``"replica"`` and ``"data"`` axes, and optionally ``"model"`` (see
+        :func:`co2jax.make_mesh`); its ``data`` and ``model`` axes are used as ``Auto``.
       sync_every: H, inner steps per round.
       reducer: ``"auto"`` (:func:`co2jax.comm.policy.select`: an exact mean the target
         overlaps; a compressed or other specific reduction is kept), ``"outer"`` (the
@@ -114,9 +116,12 @@ class RoundTrainer:
         The auto count is a chunk per step, each at least 1 MiB
         (:func:`co2jax.comm.policy.chunk_count`). The result equals the unspread round's
         (chunks are cut on the payload's wire form, :mod:`co2jax.comm.chunks`).
-      shard_outer_state: shard the outer state over ``data`` inside each replica.
-      fsdp: also shard the parameters and the inner optimizer state over ``data`` (FSDP /
-        ZeRO-3 style). Implies ``shard_outer_state``; needs an element-wise inner optimizer.
+      param_specs: how each parameter is split inside a replica: a ``PartitionSpec`` (or
+        ``None``) per parameter over ``model`` (tensor parallelism) and/or ``data``; default
+        every parameter whole. The inner and outer state follow their parameters.
+      shard_outer_state: split the outer state over ``data`` inside each replica (1/D).
+      fsdp: also split the parameters and the inner optimizer state over ``data`` (FSDP /
+        ZeRO-3 style). Implies ``shard_outer_state``.
       donate: donate the input state's buffers to the round's output.
       check_vma: ``shard_map``'s varying-axis type check. Leave it on, except for an outer
         optimizer built with ``implementation="interpret"``: Pallas' interpreter is not typed
@@ -139,6 +144,7 @@ class RoundTrainer:
         *,
         reducer: str = "auto",
         spread: bool | int | None = None,
+        param_specs: Any = None,
         shard_outer_state: bool = False,
         fsdp: bool = False,
         donate: bool = True,
@@ -151,61 +157,73 @@ class RoundTrainer:
         if not isinstance(outer, OuterOptimizer):
             raise ValueError(f"outer must be a co2jax.OuterOptimizer, got outer={outer!r}")
         missing = {REPLICA, DATA} - set(mesh.axis_names)
-        if missing:
+        extra = set(mesh.axis_names) - {REPLICA, DATA, MODEL}
+        if missing or extra:
             raise ValueError(
-                f"mesh must have axes {REPLICA!r} and {DATA!r}, got mesh.axis_names="
-                f"{mesh.axis_names!r}"
+                f"mesh must have axes {REPLICA!r} and {DATA!r} (and optionally {MODEL!r}), got "
+                f"mesh.axis_names={mesh.axis_names!r}"
             )
         self.transfers = resolve(outer, sync_every)
-        if not (
-            spread is None or isinstance(spread, bool) or (isinstance(spread, int) and spread >= 1)
-        ):
-            raise ValueError(
-                f"spread must be None, True, False or a chunk count >= 1, got spread={spread!r}"
-            )
-        self.spread = spread
+        self.spread = check_spread(spread)
         self.sync_every = sync_every
         self.reducer = policy.check_choice_for(reducer, outer.reducer)
-        self.loss_fn, self.outer, self.mesh = loss_fn, outer, mesh
+        self.loss_fn, self.outer = loss_fn, outer
+        self.mesh = compiler_sharded(mesh)
         self.replicas, self.data = mesh.shape[REPLICA], mesh.shape[DATA]
         self.platform = mesh.devices.flat[0].platform
         compilation_cache.guard(mesh.devices.flat)  # a warning: unsafe on a CPU mesh
-        self.layout = Layout(self.data, shard_outer_state, fsdp)
+        self.layout = Layout(dict(mesh.shape), shard_outer_state, fsdp)
         self.fsdp = self.layout.fsdp
-        self.reducers: tuple = ()  # per transfer, chosen when a program is built
-        self.run = self.transfers  # the transfers as the program runs them (chunks)
-        self.reducer_kind: str | None = None if reducer == "auto" else reducer
+        self.param_specs = param_specs
         self._donate = donate
         self._check_vma = bool(check_vma)
         self.exclude_nonfinite = bool(exclude_nonfinite)
-        self._compiled: dict = {}
+        self._programs: dict = {}
         self._inits: dict = {}
+        self._specs: dict = {}
         self._checked: set = set()
 
     # ------------------------------------------------------------------------------------
     # state
 
+    def _per_replica_specs(self, params: Any) -> Specs:
+        """Per-replica specs of the state for one replica's parameter shapes."""
+        key = shapes_key(params)
+        if key not in self._specs:
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+            R, layout = self.replicas, self.layout
+            param = layout.param_specs(shapes, self.param_specs)
+            self._specs[key] = Specs(
+                param,
+                layout.inner_specs(self.inner.init, shapes, param, R),
+                layout.outer_specs(self.outer.init, shapes, self.param_specs, R),
+            )
+        return self._specs[key]
+
     def state_specs(self, state: TrainState) -> TrainState:
         """The PartitionSpec of every leaf of ``state`` (leading replica axis included)."""
         one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
+        specs = self._per_replica_specs(one)
+        full = lambda tree, like: jax.tree.map(
+            lambda s, x: full_spec(s, x.ndim - 1), tree, like, is_leaf=_is_spec
+        )
         return TrainState(
-            self.layout.param_specs(state.params),
-            self.layout.param_specs(state.inner_state),
-            self.layout.outer_specs(self.outer.init, one),
+            full(specs.params, state.params),
+            full(specs.inner_state, state.inner_state),
+            full(specs.outer_state, state.outer_state),
             P(REPLICA),
         )
 
     def _shardings(self, specs):
-        return jax.tree.map(
-            lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
-        )
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
 
     def _init_unplaced(self, params: optax.Params) -> TrainState:
         stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.replicas, *x.shape)), params)
+        per_replica = lambda init: jax.vmap(init, axis_name=REPLICA)(stacked)
         return TrainState(
             stacked,
-            jax.vmap(self.inner.init)(stacked),
-            jax.vmap(self.outer.init)(stacked),
+            per_replica(self.inner.init),
+            per_replica(self.outer.init),
             jnp.zeros((self.replicas,), jnp.int32),
         )
 
@@ -219,6 +237,14 @@ class RoundTrainer:
 
     def init(self, params: optax.Params) -> TrainState:
         """Every replica starts from ``params`` (one replica's parameters, no leading axis)."""
+        for path, x in jax.tree_util.tree_leaves_with_path(params):
+            spec = getattr(getattr(x, "sharding", None), "spec", ())
+            if any(REPLICA in (e if isinstance(e, tuple) else (e,)) for e in spec):
+                raise ValueError(
+                    f"init takes one replica's parameters, without a replica axis; params"
+                    f"{jax.tree_util.keystr(path)} is split over {REPLICA!r} ({spec}): pass "
+                    "one replica's copy (e.g. jax.tree.map(lambda x: x[0], state.params))"
+                )
         key = shapes_key(params)
         if key not in self._inits:  # one program per parameter shapes: a new seed reuses it
             abstract = jax.eval_shape(self._init_unplaced, params)
@@ -231,175 +257,91 @@ class RoundTrainer:
 
     def check_batch(self, state: TrainState, batch: Any) -> None:
         """Raises ``ValueError`` unless every batch leaf is ``[replica, H, B, ...]``, D | B,
-        and ``loss_fn`` returns a scalar on one device's slice
+        and ``loss_fn`` returns a scalar on one replica's batch of a step
         (:func:`co2jax.engines.batches.check_batch`)."""
         args = self.replicas, self.sync_every, self.data, self.loss_fn, self._checked
         check_batch(state.params, batch, *args)
 
     # ------------------------------------------------------------------------------------
-    # the schedule, as segment events
-
-    def _choose(self, payload_shapes: list) -> tuple:
-        chosen = [
-            policy.select(
-                self.outer.reducer,
-                self.reducer,
-                platform=self.platform,
-                replicas=self.replicas,
-                payload_elements=sum(x.size for x in jax.tree.leaves(shapes)),
-                overlapped=t.send < t.apply,
-                # spread, every overlapped transfer is reduced in pieces inside its steps
-                whole=t.chunks == 1 and (self.run == self.transfers or t.send == t.apply),
-                accepts_gathered=self.outer.accepts_gathered,
-                axis_name=REPLICA,
-            )
-            for t, shapes in zip(self.run, payload_shapes, strict=True)
-        ]
-        kinds = {kind for kind, _ in chosen}
-        self.reducer_kind = kinds.pop() if len(kinds) == 1 else "/".join(k for k, _ in chosen)
-        return tuple(r for _, r in chosen)
-
-    def _spread(self, payload_shapes: list) -> tuple:
-        """The transfers as this program runs them: overlapped ones in chunks where spread."""
-        spread = self.spread
-        if spread is not None and spread is not False and not self.outer.reducer.chunkable:
-            raise ValueError(
-                f"spread={spread!r}: the reducer {self.outer.reducer.name!r} sends its payload "
-                "only whole (it cannot be cut into chunks); use spread=None or False"
-            )
-        if spread is None:
-            spread = policy.spreads(self.platform) and self.outer.reducer.chunkable
-        if spread is False:
-            return self.transfers
-        if spread is True:
-            count = lambda t, i: policy.chunk_count(t.apply - t.send, tree_bytes(payload_shapes[i]))
-        else:
-            count = lambda t, i: spread
-        return spread_transfers(self.transfers, count)
-
-    def _wire_bytes(self, payload_shapes: list, reducers: tuple) -> float:
-        """Bytes one replica sends per round: every transfer (every chunk) by its reducer."""
-        total = 0.0
-        for t, shapes, reducer in zip(self.run, payload_shapes, reducers, strict=True):
-            if t.chunks == 1:
-                total += reducer.wire_bytes(shapes, self.replicas)
-                continue
-            plan = chunks.plan(shapes, reducer, t.chunks)
-            piece = [
-                jax.ShapeDtypeStruct(plan.piece_shape(g), plan.dtypes[g])
-                for g in range(len(plan.units))
-            ]
-            total += t.chunks * reducer.wire_bytes(piece, self.replicas)
-        return total
-
-    # ------------------------------------------------------------------------------------
     # the round
 
-    def _body(self, payload_shapes, param_shapes, reducers, params, inner, outer, rnd, batch, part):
-        squeeze = lambda t: jax.tree.map(lambda x: x[0], t)
-        params, inner, outer, rnd, batch, part = map(
-            squeeze, (params, inner, outer, rnd, batch, part)
-        )
+    def _body(self, plan: RoundPlan, specs: Specs, params, inner, outer, rnd, batch, part):
         weight, taken = part
+        reducers = plan.reducers
         if weight is not None or self.exclude_nonfinite:
             w = jnp.float32(1) if weight is None else weight
             reducers = tuple(weighted(r, w, REPLICA, self.exclude_nonfinite) for r in reducers)
-        layout = self.layout
-        schedule = RoundSchedule(
-            self.outer,
-            self.run,
-            reducers,
-            layout,
-            self.sync_every,
-            payload_shapes,
-        )
-        inflight = ((),) * len(self.transfers)
-        carry = Carry(params, inner, outer, jnp.zeros((len(self.transfers), 3)), inflight)
-        store, plans, losses = {}, {}, []
-
-        def step(c: Carry, xs, segment) -> tuple[Carry, jax.Array]:
-            b, k = xs
-            c = schedule.in_step(k, c, plans, segment)
-            # gradients are averaged over the data shards explicitly; nothing crosses
-            # "replica" here
-            full = layout.gather_params(c.params, param_shapes)
-            loss, grads = jax.value_and_grad(self.loss_fn)(full, b)
-            grads = layout.reduce_grads(grads, param_shapes, c.params)
-            updates, inner_state = self.inner.update(grads, c.inner_state, c.params)
-            p = optax.apply_updates(c.params, updates)
-            if taken is not None:  # a replica with fewer steps this round holds after them
-                p, inner_state = tree_select(k < taken, (p, inner_state), (c.params, c.inner_state))
-            c = c._replace(params=p, inner_state=inner_state)
-            return c, jax.lax.pmean(loss, DATA)
-
-        steps = jnp.arange(self.sync_every, dtype=jnp.int32)
-        for start, stop in schedule.segments():
-            carry = schedule.boundary(start, carry, store, plans)
-            xs = jax.tree.map(lambda x, a=start, b=stop: x[a:b], (batch, steps))
-            if stop - start == 1:  # one step: straight-line code, not a loop of one
-                carry, loss = step(carry, jax.tree.map(lambda x: x[0], xs), (start, stop))
-                losses.append(loss[None])
-                continue
-            carry, seg = jax.lax.scan(lambda c, x, s=(start, stop): step(c, x, s), carry, xs)
-            losses.append(seg)
-        carry = schedule.boundary(self.sync_every, carry, store, plans)
+        step = inner_step(self.loss_fn, self.inner, specs, taken)
+        driver = RoundDriver(self.outer, plan.walk, reducers, step, batch, specs)
+        count = len(plan.transfers)
+        sums = varying_like(jnp.zeros((count, 3)), jax.lax.axis_index(REPLICA))
+        carry = walker.run(plan.walk, driver, Carry(params, inner, outer, sums, ((),) * count))
         if self.outer.recovers_nonfinite:
             carry = carry._replace(inner_state=self._reset_nonfinite(carry))
-        losses = jnp.concatenate(losses)
-        norm, cosine = schedule.metrics(carry)
-        nbytes = self._wire_bytes(payload_shapes, reducers)
-        metrics = RoundMetrics(losses, norm, cosine, jnp.asarray(nbytes, jnp.float32))
-        out = (carry.params, carry.inner_state, carry.outer_state, rnd + 1)
-        return jax.tree.map(lambda x: x[None], (*out, metrics))
+        norm, cos = jnp.float32(0), jnp.float32(0)
+        if count:
+            norm, cos = jnp.sqrt(jnp.sum(carry.sums[:, 0])), jnp.mean(cosine(carry.sums))
+        metrics = RoundMetrics(
+            jnp.concatenate(driver.losses), norm, cos, jnp.float32(plan.wire_bytes)
+        )
+        return carry.params, carry.inner_state, carry.outer_state, rnd + 1, metrics
 
     def _reset_nonfinite(self, c: Carry):
         """The inner state, or ``inner.init`` of the parameters where it is not finite
-        (decided per replica, over all of its data shards)."""
-        ok = tree_all_finite(c.inner_state)
-        kind = getattr(jax.typeof(ok), "manual_axis_type", None)
-        axes = tuple(sorted(set(kind.varying) - {REPLICA})) if kind is not None else ()
-        if axes:
-            ok = jax.lax.pmin(ok.astype(jnp.int32), axes) > 0
-        fresh = _like(self.inner.init(c.params), c.inner_state)
-        return tree_select(ok, c.inner_state, fresh)
+        (decided per replica, on its whole tensors)."""
+        fresh = varying_like(self.inner.init(c.params), c.inner_state)
+        return tree_select(tree_all_finite(c.inner_state), c.inner_state, fresh)
 
-    def round_fn(self, state: TrainState, weights: bool = False, steps: bool = False):
-        """The jitted, shard_map'd round for states shaped like ``state`` (taking per-replica
-        ``weights`` and ``steps`` when those are set)."""
-        specs = self.state_specs(state)
+    def _plan(self, state: TrainState) -> tuple[RoundPlan, Specs]:
         one = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), t)
-        param_shapes, outer_shapes = one(state.params), one(state.outer_state)
+        bare = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
         payload_shapes = [
             jax.eval_shape(
-                lambda p, s, i=i: values(self.outer.send(p, s, i)[0]), param_shapes, outer_shapes
+                jax.vmap(
+                    lambda p, s, i=i: values(self.outer.send(p, s, i)[0]),
+                    axis_name=REPLICA,
+                    axis_size=self.replicas,
+                ),
+                bare(state.params),
+                bare(state.outer_state),
             )
             for i in range(len(self.transfers))
         ]
-        self.run = self._spread(payload_shapes)
-        reducers = self._choose(payload_shapes)
-        self.reducers = reducers
-        metric_spec = RoundMetrics(P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA))
-        part = (P(REPLICA) if weights else None, P(REPLICA) if steps else None)
-        fn = jax.shard_map(
-            lambda p, i, o, r, b, w: self._body(
-                payload_shapes, param_shapes, reducers, p, i, o, r, b, w
-            ),
-            mesh=self.mesh,
-            in_specs=(*specs, P(REPLICA, None, DATA), part),
-            out_specs=(*specs, metric_spec),
+        payload_shapes = [one(shapes) for shapes in payload_shapes]
+        plan = choose(
+            self.outer,
+            self.transfers,
+            self.sync_every,
+            payload_shapes,
+            reducer=self.reducer,
+            spread=self.spread,
+            platform=self.platform,
+            replicas=self.replicas,
+            split_state=self.layout.sharded,
+        )
+        return plan, self._per_replica_specs(one(state.params))
+
+    def program(self, state: TrainState, weights: bool = False, steps: bool = False):
+        """The round for states shaped like ``state`` (taking per-replica ``weights`` and
+        ``steps`` when those are set): a :class:`~co2jax.engines.program.RoundProgram`, its
+        plan (transfers, reducers, bytes) and the jitted function, built once per shapes."""
+        key = shapes_key(state), (weights, steps)
+        if key in self._programs:
+            return self._programs[key]
+        plan, specs = self._plan(state)
+        out_shardings = (self._shardings(self.state_specs(state)), self._shardings(METRIC_SPECS))
+        body = replica_map(
+            lambda p, i, o, r, b, w: self._body(plan, specs, p, i, o, r, b, w),
+            self.mesh,
             check_vma=self._check_vma,
         )
-        return jax.jit(
-            lambda s, b, w=(None, None): (lambda *o: (TrainState(*o[:4]), o[4]))(*fn(*s, b, w)),
+        fn = jax.jit(
+            lambda s, b, w=(None, None): (lambda *o: (TrainState(*o[:4]), o[4]))(*body(*s, b, w)),
+            out_shardings=(TrainState(*out_shardings[0]), out_shardings[1]),
             donate_argnums=(0,) if self._donate else (),
         )
-
-    def _get(self, state, part=(None, None)):
-        flags = tuple(x is not None for x in part)
-        key = shapes_key(state), flags
-        if key not in self._compiled:
-            self._compiled[key] = self.round_fn(state, *flags)
-        return self._compiled[key]
+        self._programs[key] = RoundProgram(plan, fn)
+        return self._programs[key]
 
     def participation(self, weights=None, steps=None) -> tuple:
         """``(weights, steps)`` checked (:func:`co2jax.comm.participation.check_participation`)
@@ -416,8 +358,8 @@ class RoundTrainer:
         :func:`co2jax.comm.participation.check_participation` says."""
         self.check_batch(state, batch)
         part = self.participation(weights, steps)
-        with target_backend(self.platform):  # fused updates are traced for the mesh's platform
-            return self._get(state, part)(state, self.place_batch(batch), part)
+        flags = tuple(x is not None for x in part)
+        return self.program(state, *flags).fn(state, self.place_batch(batch), part)
 
     def place_batch(self, batch: Any) -> Any:
         """Puts ``batch`` ([R, H, B, ...] leaves) on the mesh: replica and data sharded."""
@@ -427,5 +369,20 @@ class RoundTrainer:
     def lower(self, state: TrainState, batch: Any):
         """``jax.stages.Lowered`` of the round (concrete or ``ShapeDtypeStruct`` arguments)."""
         self.check_batch(state, batch)
-        with target_backend(self.platform):
-            return self._get(state).lower(state, batch)
+        sharding = NamedSharding(self.mesh, P(REPLICA, None, DATA))
+        batch = jax.tree.map(
+            lambda x: (
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+                if isinstance(x, jax.ShapeDtypeStruct)
+                else jax.device_put(x, sharding)
+            ),
+            batch,
+        )
+        return self.program(state).fn.lower(state, batch)
+
+
+METRIC_SPECS = RoundMetrics(P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA))
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)

@@ -1,0 +1,225 @@
+"""One walk of an outer optimizer's schedule, for every driver.
+
+A round's schedule (:func:`co2jax.protocol.plan`) is cut into *segments* of inner steps at
+every step where a transfer is sent or applied, or where its chunks start or stop (a delayed
+or synchronous algorithm: one segment). At the boundary before each segment a driver runs the
+actions due there in the plan's order (the transfers applied there, then those sent there);
+inside a segment, a transfer in chunks reduces one chunk before each step. Every driver runs
+this one walk (:func:`run`) and supplies only how it does four things (:class:`Driver`):
+
+- ``send(carry, i)``: take transfer i's payload; one in a single piece starts its reduction
+  here, one in chunks is held for its chunks;
+- ``chunk(carry, i, c)``: reduce chunk c (a Python int, or a traced step index);
+- ``apply(carry, i)``: finish transfer i's reduction and apply it;
+- ``segment(carry, segment)``: run inner steps ``[start, stop)``, with the chunks due in
+  them.
+
+The round engine runs a segment as one ``lax.scan`` with its chunks inside the steps; the
+per-step adapter is one step at a time (:meth:`Walk.before` and :meth:`Walk.after` say what
+runs before and after step k); separate jobs publish each chunk at a boundary of its own
+(``chunks_in_steps=False``); the cost model prices the same walk
+(:func:`co2jax.engines.walk.timeline`).
+
+Example:
+  >>> from co2jax.protocol import Transfer
+  >>> w = walk((Transfer(0, 4, chunks=2),), 4)
+  >>> [(s.start, s.stop, [a.kind for a in s.actions], s.chunked) for s in w.segments]
+  [(0, 2, ['send'], (0,)), (2, 4, [], ())]
+  >>> [a.kind for a in w.end]
+  ['apply']
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, NamedTuple, Protocol
+
+from co2jax.protocol import Action, Transfer, plan
+
+
+class Segment(NamedTuple):
+    """Inner steps ``[start, stop)`` and what precedes them.
+
+    Attributes:
+      start, stop: the steps.
+      actions: the actions at the boundary before step ``start``, in plan order.
+      chunked: transfers that reduce a chunk before every step of the segment (chunk
+        ``k - send`` before step k).
+    """
+
+    start: int
+    stop: int
+    actions: tuple[Action, ...]
+    chunked: tuple[int, ...] = ()
+
+
+class Walk(NamedTuple):
+    """A round's schedule as segments (:func:`walk`).
+
+    Attributes:
+      steps: H.
+      transfers: the resolved transfers (chunks included).
+      segments: the segments, in order, covering steps ``[0, H)``.
+      end: the actions after the last step.
+    """
+
+    steps: int
+    transfers: tuple[Transfer, ...]
+    segments: tuple[Segment, ...]
+    end: tuple[Action, ...]
+
+    def at(self, b: int) -> tuple[Action, ...]:
+        """The actions at boundary ``b`` (before step b; ``b == H``: after the last)."""
+        if b == self.steps:
+            return self.end
+        return next((s.actions for s in self.segments if s.start == b), ())
+
+    def before(self, k: int) -> tuple[Action, ...]:
+        """What runs before step ``k`` when steps run one at a time: the sends (and a
+        boundary's own chunks) at boundary k."""
+        return tuple(a for a in self.at(k) if a.kind in ("send", "chunk"))
+
+    def after(self, k: int) -> tuple[Action, ...]:
+        """What runs after step ``k`` when steps run one at a time: the transfers applied at
+        boundary k + 1 (one sent there too is sent there first)."""
+        return tuple(a for a in self.at(k + 1) if a.kind in ("sync", "apply"))
+
+    def chunked(self, k: int) -> tuple[int, ...]:
+        """The transfers that reduce a chunk before step ``k`` (inside a segment)."""
+        return next((s.chunked for s in self.segments if s.start <= k < s.stop), ())
+
+
+def walk(transfers: tuple[Transfer, ...], steps: int, chunks_in_steps: bool = True) -> Walk:
+    """``transfers`` (resolved: :func:`co2jax.protocol.resolve`) for rounds of ``steps``
+    inner steps, as segments. ``chunks_in_steps``: a transfer's chunks are reduced inside
+    the steps of the segments they span (one per step); otherwise each chunk is an action
+    at the boundary before its step (chunk 0 right after the send)."""
+    actions = plan(transfers)
+    cuts = {0, steps}
+    for t in transfers:
+        cuts |= {t.send, t.apply}
+        if t.chunks > 1:
+            cuts.add(min(steps, t.send + t.chunks))
+            if not chunks_in_steps:
+                cuts |= {t.send + c for c in range(t.chunks)}
+    cuts = sorted(cuts)
+    by_step: dict[int, list[Action]] = {}
+    for a in actions:
+        if a.kind == "chunk" and chunks_in_steps:
+            continue
+        by_step.setdefault(a.at, []).append(a)
+        if a.kind == "send" and transfers[a.transfer].chunks > 1 and not chunks_in_steps:
+            by_step[a.at].append(Action(a.at, "chunk", a.transfer, 0))
+    segments = []
+    for start, stop in itertools.pairwise(cuts):
+        chunked = ()
+        if chunks_in_steps:
+            chunked = tuple(
+                i
+                for i, t in enumerate(transfers)
+                if t.chunks > 1 and t.send != t.apply and t.send <= start < t.send + t.chunks
+            )
+        segments.append(Segment(start, stop, tuple(_ordered(by_step.get(start, []))), chunked))
+    return Walk(steps, tuple(transfers), tuple(segments), tuple(_ordered(by_step.get(steps, []))))
+
+
+_PHASE = {"sync": 0, "apply": 0, "send": 1, "chunk": 2}
+
+
+def _ordered(actions: list[Action]) -> list[Action]:
+    return sorted(actions, key=lambda a: (_PHASE[a.kind], a.transfer, a.chunk))
+
+
+class Driver(Protocol):
+    """What a driver supplies to :func:`run` (see the module docstring)."""
+
+    def send(self, carry: Any, i: int) -> Any: ...
+
+    def chunk(self, carry: Any, i: int, c: Any) -> Any: ...
+
+    def apply(self, carry: Any, i: int) -> Any: ...
+
+    def segment(self, carry: Any, segment: Segment) -> Any: ...
+
+
+def act(driver: Driver, carry: Any, actions: tuple[Action, ...]) -> Any:
+    """Runs ``actions`` (one boundary's) through ``driver``: a ``sync`` is a send then an
+    apply of the same transfer."""
+    for a in actions:
+        if a.kind in ("sync", "send"):
+            carry = driver.send(carry, a.transfer)
+        if a.kind == "chunk":
+            carry = driver.chunk(carry, a.transfer, a.chunk)
+        if a.kind in ("sync", "apply"):
+            carry = driver.apply(carry, a.transfer)
+    return carry
+
+
+def run(w: Walk, driver: Driver, carry: Any) -> Any:
+    """The whole round: each segment's boundary actions then its steps, then the end's."""
+    for segment in w.segments:
+        carry = act(driver, carry, segment.actions)
+        carry = driver.segment(carry, segment)
+    return act(driver, carry, w.end)
+
+
+class Timeline(NamedTuple):
+    """What :func:`timeline` found: ``round_s`` (the round's seconds), ``wait_s`` (waiting
+    for transfers at their applies) and ``hidden_s`` (transfer seconds under compute)."""
+
+    round_s: float
+    wait_s: float
+    hidden_s: float
+
+
+def timeline(w: Walk, step_s: float, transfer_s: list[float], slowdown: float = 1.0) -> Timeline:
+    """The seconds of one round of ``w``: inner steps of ``step_s`` each, transfer i's
+    reduction taking ``transfer_s[i]`` on one link (transfers queue on it in the order they
+    are sent; a transfer in chunks sends chunk c no earlier than before its step c).
+    A transfer that is on the wire while steps compute slows them by ``slowdown`` for that
+    time; an apply waits for its transfer to arrive.
+
+    Example:
+      >>> from co2jax.protocol import Transfer
+      >>> sync, delayed = walk((Transfer(4, 4),), 4), walk((Transfer(0, 4),), 4)
+      >>> timeline(sync, 1.0, [3.0]).round_s, timeline(delayed, 1.0, [3.0]).round_s
+      (7.0, 4.0)
+    """
+    now, link_free, wait, hidden = 0.0, 0.0, 0.0, 0.0
+    arrive: dict[int, float] = {}
+    busy: list[tuple[float, float]] = []  # link intervals
+
+    def put(i: int, seconds: float, at: float) -> None:
+        nonlocal link_free
+        start = max(at, link_free)
+        link_free = start + seconds
+        arrive[i] = link_free
+        busy.append((start, link_free))
+
+    def boundary(actions) -> None:
+        nonlocal now, wait
+        for a in actions:
+            t = w.transfers[a.transfer]
+            if a.kind in ("sync", "send") and t.chunks == 1:
+                put(a.transfer, transfer_s[a.transfer], now)
+            if a.kind == "chunk":
+                put(a.transfer, transfer_s[a.transfer] / t.chunks, now)
+            if a.kind in ("sync", "apply"):
+                done = arrive.pop(a.transfer, now)
+                wait += max(0.0, done - now)
+                now = max(now, done)
+
+    def compute(seconds: float) -> None:
+        nonlocal now, hidden
+        overlap = sum(max(0.0, min(e, now + seconds) - max(s, now)) for s, e in busy)
+        hidden += overlap
+        now += seconds + (slowdown - 1.0) * overlap
+
+    for segment in w.segments:
+        boundary(segment.actions)
+        for _ in range(segment.start, segment.stop):
+            for i in segment.chunked:
+                put(i, transfer_s[i] / w.transfers[i].chunks, now)
+            compute(step_s)
+    boundary(w.end)
+    return Timeline(now, wait, hidden)
