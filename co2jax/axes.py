@@ -13,6 +13,23 @@ DATA = "data"
 MODEL = "model"
 AXES = (REPLICA, DATA, MODEL)
 
+COLLECTIVES = frozenset(
+    {
+        "psum",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+        "all_gather",
+        "all_gather_invariant",
+        "ppermute",
+        "psum_scatter",
+        "reduce_scatter",
+        "all_to_all",
+        "ragged_all_to_all",
+    }
+)
+"""The primitives that communicate over a named axis (what the tools and the drivers count)."""
+
 
 def axis_size(axis_name: str) -> int:
     """The size of ``axis_name``; a ``NameError`` that says how to bind it when it is not."""

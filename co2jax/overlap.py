@@ -14,23 +14,9 @@ from typing import Any, NamedTuple
 import jax
 from jax.extend.core import Literal
 
+from co2jax.axes import COLLECTIVES
 from co2jax.mesh import REPLICA
 
-COLLECTIVES = frozenset(
-    {
-        "psum",
-        "psum_invariant",
-        "pmax",
-        "pmin",
-        "all_gather",
-        "all_gather_invariant",
-        "ppermute",
-        "psum_scatter",
-        "reduce_scatter",
-        "all_to_all",
-        "ragged_all_to_all",
-    }
-)
 LOOPS = frozenset({"scan", "while"})
 
 

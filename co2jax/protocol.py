@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import jax
 
 from co2jax._checks import check_int
+from co2jax.axes import REPLICA
 from co2jax.comm.reducer import Reducer
 
 Params = Any
@@ -134,8 +135,16 @@ class OuterOptimizer(NamedTuple):
 
 
 def payload_shapes(outer: OuterOptimizer, params: Params, state: State, i: int) -> Any:
-    """``ShapeDtypeStruct``s of transfer ``i``'s payload (``send`` traced, nothing run)."""
-    return jax.eval_shape(lambda p, s: outer.send(p, s, i)[0], params, state)
+    """``ShapeDtypeStruct``s of transfer ``i``'s payload (``send`` traced, nothing run).
+    A ``send`` that reads the replica axis (a weight per replica, say) is traced with the
+    axis bound where it is not (``jax.vmap(tx.init)`` of a per-step transform)."""
+    send = lambda p, s: outer.send(p, s, i)[0]
+    try:
+        return jax.eval_shape(send, params, state)
+    except NameError:
+        one = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape), x.dtype), t)
+        out = jax.eval_shape(jax.vmap(send, axis_name=REPLICA), one(params), one(state))
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), out)
 
 
 def resolve(outer: OuterOptimizer, steps: int) -> tuple[Transfer, ...]:

@@ -205,11 +205,20 @@ def test_dct_diloco_shard_map_matches_textbook(case, mesh):
     np.testing.assert_allclose(got, _dct_diloco_textbook(problem, s), **TOL)
 
 
-def test_dct_diloco_per_replica_weights():
+def test_dct_diloco_per_replica_weights(mesh):
+    """One weight per replica in every driver: the round-level sync, the per-step adapter
+    (``jax.vmap(tx.init)`` reads no replica axis), and the round engine (which once crashed
+    on the unbound axis while sizing the payload)."""
     problem = tb.make_problem(replicas=4, examples=2, dim=16, seed=1)
     weights = (0.5, 1.0, 1.5, 1.0)  # H_r / mean_j H_j
+    want = _dct_diloco_textbook(problem, FLAT, weights=weights)
     got, _ = harness.run_vmap(_dct_diloco(FLAT, weight=weights), problem, LR, H, ROUNDS)
-    np.testing.assert_allclose(got, _dct_diloco_textbook(problem, FLAT, weights=weights), **TOL)
+    np.testing.assert_allclose(got, want, **TOL)
+    outer = _dct_diloco(FLAT, weight=weights)
+    got = harness.run_adapter(outer, optax.sgd(LR), problem, H, ROUNDS)
+    np.testing.assert_allclose(got, want, **TOL)
+    got, _ = _run_engine(optax.sgd(LR), _dct_diloco(FLAT, weight=weights), problem, mesh)
+    np.testing.assert_allclose(got, want, **TOL)
 
 
 def test_dct_diloco_keeps_bf16_anchors():

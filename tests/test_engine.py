@@ -412,3 +412,13 @@ def test_spread_chunks_sit_inside_the_loop(problem, mesh):
 def test_spread_argument_is_checked(mesh):
     with pytest.raises(ValueError, match="spread=0"):
         co2jax.RoundTrainer(engine_loss, optax.sgd(LR), co2jax.co2(1.0, 0.5), mesh, H, spread=0)
+
+
+def test_init_refuses_parameters_that_carry_a_replica_axis(problem, mesh):
+    """``init`` takes one replica's parameters: handing it a state's stacked parameters (one
+    copy per replica, split over the replica axis) is refused with one line, not stacked a
+    second time."""
+    trainer = co2jax.RoundTrainer(engine_loss, optax.sgd(LR), co2jax.local_sgd(), mesh, H)
+    state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
+    with pytest.raises(ValueError, match=r"init takes one replica's parameters.*params\['b'\]"):
+        trainer.init(state.params)

@@ -406,3 +406,22 @@ def test_the_coordinator_dying_hands_the_decisions_to_the_next_rank(tmp_path):
         want = [[0, 1, 2]] if int(t) < worker.DIE_AT else [[1, 2]]
         assert one[t]["participants"] == two[t]["participants"] == want, (t, one[t])
         assert one[t]["params"] == two[t]["params"]
+
+
+@pytest.mark.parametrize("name", ["ddp", "demo"])
+def test_jobs_refuse_an_inner_transform_that_communicates_every_step(name):
+    """DDP's and DeMo's inner transforms exchange every step over the replica axis, which
+    separate jobs do not share: refused before any compute (it once trained each job alone,
+    sending nothing). A per-round algorithm's inner SGD passes the same check."""
+    problem = tb.make_problem(replicas=1, examples=2, dim=16, seed=5)
+    mesh = co2jax.make_mesh(replica=1, data=1, devices=jax.devices("cpu")[:1])
+    params = harness.unflatten(jnp.asarray(problem.theta0, jnp.float32))
+    for algorithm, refused in ((name, True), ("diloco", False)):
+        outer, inner = harness.registered(algorithm, problem, 0.1, tb.REGISTERED_H)
+        peers = co2jax.Peers((f"127.0.0.1:{_ports(1)[0]}",), 0)
+        job = co2jax.JobTrainer(engine_loss, inner, outer, peers, tb.REGISTERED_H, mesh)
+        if refused:
+            with pytest.raises(ValueError, match="communicates over 'replica' every step"):
+                job.init(params)
+        else:
+            job.init(params)

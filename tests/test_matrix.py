@@ -19,6 +19,7 @@ import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import textbook as tb
 from jax.sharding import PartitionSpec as P
@@ -216,3 +217,61 @@ def test_the_layouts_split_what_they_say():
     assert shard(state.params["w"]) == (1, 7)  # TP: w (14) over model
     anchor = state.outer_state.inner_state.anchor  # the outer state where its parameters lie
     assert shard(anchor["b"]) == (1, 1) and shard(anchor["w"]) == (1, 7)
+
+
+# ---------------------------------------------------------------------------------------------
+# an algorithm added by a user, with whole-tensor math and no knowledge of sharding
+
+
+def clipped_averaging(learning_rate: float, max_norm: float) -> co2jax.OuterOptimizer:
+    """Each replica clips its pseudo-gradient to ``max_norm`` by its global norm (over every
+    leaf), the replicas average them, the anchor steps by ``learning_rate``: written as a
+    user would, with no sharding in it."""
+
+    def init(params):
+        return {"anchor": params}
+
+    def send(params, state, i):
+        delta = jax.tree.map(lambda a, p: a - p, state["anchor"], params)
+        norm = jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(delta)))
+        scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
+        return jax.tree.map(lambda x: x * scale, delta), state
+
+    def apply(params, state, i, reduced):
+        anchor = jax.tree.map(lambda a, g: a - learning_rate * g, state["anchor"], reduced)
+        return anchor, {"anchor": anchor}
+
+    return co2jax.OuterOptimizer(init, send, co2jax.comm.pmean(), apply)
+
+
+def clipped_averaging_textbook(problem: tb.Problem, lr, H, rounds, eta, max_norm):
+    anchor, out = problem.theta0.copy(), []
+    for _ in range(rounds):
+        sent = []
+        for r in range(problem.replicas):
+            delta = anchor - tb.inner_sgd(problem, r, anchor, lr, H)
+            sent.append(delta * min(1.0, max_norm / np.linalg.norm(delta)))
+        anchor = anchor - eta * np.mean(sent, axis=0)
+        out.append(np.broadcast_to(anchor, (problem.replicas, anchor.size)).copy())
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("driver", ["shard_map_sync", "adapter_shard_map", "engine"])
+def test_a_whole_tensor_algorithm_at_every_layout(driver, layout):
+    """A global-norm clip needs every element of every leaf: with the state split over data
+    or model it still sees whole tensors, so it equals its loop at every layout (the clip
+    binds: the norms before clipping are above max_norm)."""
+    problem = problem_for(layout)
+    want = clipped_averaging_textbook(problem, LR, H, ROUNDS, 0.8, 0.05)
+    first = problem.theta0 - tb.inner_sgd(problem, 0, problem.theta0, LR, H)
+    assert np.linalg.norm(first) > 0.05  # the clip is active
+    outer, inner = clipped_averaging(0.8, 0.05), optax.sgd(LR)
+    mesh = mesh_for(layout)
+    if driver == "shard_map_sync":
+        got = _sync(outer, inner, problem, mesh, layout)
+    elif driver == "adapter_shard_map":
+        got = _adapter(outer, inner, problem, mesh, layout)
+    else:
+        got = _engine(outer, inner, problem, mesh, layout)[0]
+    np.testing.assert_allclose(got, want, **TOL)

@@ -1,7 +1,8 @@
 """The round engine's check of a round's batch against the mesh, H and the loss.
 
 A batch is a pytree of ``[replica, H, B, ...]`` leaves, B a multiple of the ``data`` axis
-size; the loss must return a scalar on one replica's batch of a step. The shape checks run on every
+size; the loss must return a scalar on what each data device hands it (a slice of B/D
+examples; under FSDP the replica's whole batch of the step). The shape checks run on every
 round; the loss is traced once per parameter and batch shapes (a trace costs more than a
 small model's round).
 """
@@ -21,10 +22,13 @@ def shapes_key(tree: Any) -> tuple:
     return structure, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
 
 
-def check_batch(params: Any, batch: Any, replicas: int, H: int, data: int, loss_fn, checked):
+def check_batch(
+    params: Any, batch: Any, replicas: int, H: int, data: int, loss_fn, checked, slices: int = 1
+):
     """Raises ``ValueError`` naming the leaf and its shape where ``batch`` does not fit;
     ``params`` are the replica-stacked parameters, ``checked`` a set of shapes already
-    traced (a refused batch is not added)."""
+    traced (a refused batch is not added); ``loss_fn`` is traced on 1/``slices`` of a
+    step's batch (what each ``data`` device hands it)."""
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ValueError("batch must have at least one array leaf")
@@ -49,7 +53,9 @@ def check_batch(params: Any, batch: Any, replicas: int, H: int, data: int, loss_
     if key in checked:
         return
     one_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)
-    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), batch)
+    one = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[2] // slices, *x.shape[3:]), x.dtype), batch
+    )
     out = jax.eval_shape(loss_fn, one_params, one)
     if not (hasattr(out, "shape") and out.shape == ()):
         raise ValueError(

@@ -30,6 +30,7 @@ import optax
 
 from co2jax.comm import chunks
 from co2jax.comm.reducer import values
+from co2jax.engines import gradients
 from co2jax.engines.layout import constrain
 from co2jax.engines.walk import Segment, Walk
 from co2jax.protocol import OuterOptimizer
@@ -171,11 +172,14 @@ class RoundDriver:
         )
 
 
-def inner_step(loss_fn, inner, specs: Specs, taken=None) -> Callable:
+def inner_step(
+    loss_fn, inner, specs: Specs, taken=None, by_slices: bool = True, check_vma: bool = True
+) -> Callable:
     """``step(carry, batch_k, k) -> (carry, loss)``: one inner step of the replica on its
-    whole batch (the compiler averages the gradients over ``data`` and splits the math over
-    ``model`` as the shardings say). ``taken``: the replica's step count this round; a step
-    at or past it leaves the parameters and the inner state as they are."""
+    batch of the step (:func:`co2jax.engines.gradients.value_and_grad`: ``by_slices``, each
+    ``data`` device's slice and one mean over ``data``; the ``model`` axis the compiler's).
+    ``taken``: the replica's step count this round; a step at or past it leaves the
+    parameters and the inner state as they are."""
 
     def step(c: Carry, batch, k) -> tuple[Carry, jax.Array]:
         # the loop's carry where the layout says, at the step's start and end: sharding
@@ -185,7 +189,7 @@ def inner_step(loss_fn, inner, specs: Specs, taken=None) -> Callable:
             inner_state=constrain(c.inner_state, specs.inner_state),
             outer_state=constrain(c.outer_state, specs.outer_state),
         )
-        loss, grads = jax.value_and_grad(loss_fn)(c.params, batch)
+        loss, grads = gradients.value_and_grad(loss_fn, c.params, batch, by_slices, check_vma)
         updates, inner_state = inner.update(grads, c.inner_state, c.params)
         params = optax.apply_updates(c.params, updates)
         if taken is not None:  # a replica with fewer steps this round holds after them

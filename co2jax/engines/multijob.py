@@ -51,13 +51,15 @@ from co2jax.comm import chunks
 from co2jax.comm.participation import clipped_mean
 from co2jax.comm.reducer import Encoded, values
 from co2jax.engines import jobstate, rejoin
+from co2jax.engines import walk as walker
 from co2jax.engines.drift import DriftError, check_drift, invariant_part
 from co2jax.engines.exchange import Exchange, PeerError, Peers
+from co2jax.engines.jobround import JobCarry, JobRound
 from co2jax.engines.jobstate import JobState
 from co2jax.engines.membership import Membership
 from co2jax.engines.round import RoundTrainer, TrainState
 from co2jax.mesh import compiler_sharded, make_mesh
-from co2jax.protocol import OuterOptimizer, plan, resolve
+from co2jax.protocol import OuterOptimizer, resolve
 from co2jax.tree import fingerprint
 
 STALE_WEIGHT = 2**-0.5
@@ -168,7 +170,7 @@ class JobTrainer:
         self.drift_every, self.dylu, self.min_steps = drift_every, bool(dylu), min_steps
         self.robust = bool(robust)
         self.late, self._carry = late, {}
-        self.actions = plan(self.transfers)
+        self._walks: dict[int, walker.Walk] = {}
         self._local: dict[int, RoundTrainer] = {}
         self.exchange = Exchange(peers, mesh.devices.flat[0])
         self.membership = Membership(self.exchange)
@@ -188,6 +190,20 @@ class JobTrainer:
         self._idle = None  # the local engines' (outer state, round): fixed, never read
         self._exchanges = 0
         self._next_steps, self._times = sync_every, []
+
+    def _walk(self, n: int) -> walker.Walk:
+        """The round's walk for ``n`` inner steps (below H only for transfers sent at step 0
+        or H and applied at H, :func:`co2jax.engines.jobstate.check_steps`): each chunk
+        published at a boundary of its own."""
+        if n not in self._walks:
+            H = self.sync_every
+            at = lambda step: n if step == H else step
+            transfers = tuple(
+                t._replace(send=at(t.send), apply=at(t.apply), chunks=min(t.chunks, max(1, n)))
+                for t in self.transfers
+            )
+            self._walks[n] = walker.walk(transfers, n, chunks_in_steps=False)
+        return self._walks[n]
 
     def _trainer(self, steps: int) -> RoundTrainer:
         """The local engine for ``steps`` inner steps (no sync: the replica-1 mesh runs just
@@ -223,6 +239,7 @@ class JobTrainer:
 
     def init(self, params: Any) -> JobState:
         """The job's state from the (same on every job) initial parameters."""
+        jobstate.check_inner_is_local(self.inner, params, self.mesh, REPLICA)
         local = self._trainer(self.sync_every).init(params)
         self._idle = (local.outer_state, local.round)
         outer_state = jax.jit(self.outer.init, out_shardings=self._replicated)(params)
@@ -336,55 +353,11 @@ class JobTrainer:
         self._exchanges = state.exchanges
         self.membership.previous = state.members or tuple(range(self.peers.replicas))
         self.membership.participants = self.membership.previous
-        one = lambda t: jax.tree.map(lambda x: x[0], t)
-        at = lambda a: n if a.at == self.sync_every else a.at
-        cuts = sorted({0, n, *(at(a) for a in self.actions)})
-        last = max(
-            (k for k, a in enumerate(self.actions) if a.kind in ("sync", "apply")), default=None
-        )
         local = TrainState(state.params, state.inner_state, *self._idle)
-        outer_state, store, losses = state.outer_state, {}, []
-        record = {"participants": [], "left_out": [], "admitted": (), "carried": []}
-        compute = wait = 0.0
-        for start, stop in zip(cuts, [*cuts[1:], None], strict=True):
-            for k, a in ((k, a) for k, a in enumerate(self.actions) if at(a) == start):
-                label = f"round {state.round}, transfer {a.transfer}"
-                params = one(local.params)
-                t = self.transfers[a.transfer]
-                w = 0.0 if state.fresh and t.send == 0 else weight
-                if a.kind in ("sync", "send"):
-                    payload, outer_state = self._send(params, outer_state, a.transfer)
-                    if t.chunks == 1:
-                        store[a.transfer] = (payload, [self._start(payload, label, w)])
-                    else:
-                        store[a.transfer] = (payload, [])
-                if a.kind in ("send", "chunk") and t.chunks > 1:
-                    payload, pending = store[a.transfer]
-                    encoded = self._chunk(payload, a.transfer, a.chunk)
-                    pending.append(self._start(encoded, f"{label}, chunk {a.chunk}", w))
-                if a.kind in ("sync", "apply"):
-                    payload, pending = store.pop(a.transfer)
-                    t0 = time.perf_counter()
-                    reduced = [
-                        self._finish(p, k == last and j == len(pending) - 1, record)
-                        for j, p in enumerate(pending)
-                    ]
-                    wait += time.perf_counter() - t0
-                    if t.chunks > 1:
-                        pieces = [list(r) for r in reduced]
-                        reduced = [self._join(pieces, payload, a.transfer)]
-                    params, outer_state = self._apply(params, outer_state, a.transfer, reduced[0])
-                    params = jax.tree.map(
-                        lambda x, ref: jax.device_put(x[None], ref.sharding), params, local.params
-                    )
-                    local = local._replace(params=params)
-            if stop is None or stop == start:
-                continue
-            t0 = time.perf_counter()
-            segment = jax.tree.map(lambda x, a=start, b=stop: x[None, a:b], batch)
-            local, metrics = self._trainer(stop - start).round(local, segment)
-            losses.append(np.asarray(metrics.loss)[0])  # waits for the steps
-            compute += time.perf_counter() - t0
+        job = JobRound(self, self._walk(n), batch, weight, state.fresh, f"round {state.round}")
+        carry = walker.run(job.walk, job, JobCarry(local, state.outer_state))
+        local, outer_state, record = carry.local, carry.outer_state, job.record
+        losses, compute, wait = job.losses, job.compute, job.wait
         params = jax.block_until_ready(local.params)
         members = self.membership.previous if self.peers.tolerant else ()
         new = JobState(params, local.inner_state, outer_state, state.round + 1, 0, members)

@@ -9,11 +9,12 @@ either way, so the compiler may run its reduction concurrently with the loop; a 
 chunks reduces chunk k inside iteration k, under that step's compute; Streaming DiLoCo's
 fragments are sent and merged inside the iterations their steps fall in.
 
-Inside a replica, the algorithm, the inner optimizer and ``loss_fn`` see whole logical
-tensors and the replica's whole batch; how they are split over ``data`` and ``model`` is a
-sharding the compiler keeps (:mod:`co2jax.engines.layout`): the batch over ``data``, the
-parameters as ``param_specs`` say (tensor parallelism), with ``fsdp`` also over ``data``,
-and with ``shard_outer_state`` the outer state 1/D per device. A layout changes no value.
+Inside a replica, the algorithm and the inner optimizer see whole logical tensors; how they
+are split over ``data`` and ``model`` is a sharding the compiler keeps
+(:mod:`co2jax.engines.layout`): the parameters as ``param_specs`` say (tensor parallelism),
+with ``fsdp`` also over ``data``, and with ``shard_outer_state`` the outer state 1/D per
+device. A layout changes no value. The inner step's gradient is data-parallel over the
+replica's batch (:mod:`co2jax.engines.gradients`).
 Per-replica state carries an explicit leading replica axis sharded over ``replica``
 (parameters that entered replica-invariant would silently become data-parallel).
 
@@ -99,8 +100,11 @@ class RoundTrainer:
     """Builds and runs the round program of an outer-optimizer algorithm on a mesh.
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> scalar`` for one inner step of one replica on its
-        whole batch of the step (``[B, ...]`` leaves; the compiler splits it over ``data``).
+      loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over the examples of
+        ``batch`` (``[b, ...]`` leaves): each ``data`` device takes the gradient on its slice
+        of the replica's batch of the step and the slices' gradients are averaged (under
+        FSDP the compiler splits the whole batch); either way, the whole batch's mean
+        (:mod:`co2jax.engines.gradients`).
       inner: the inner optax transform (any: it sees whole tensors at every layout).
       outer: an :class:`~co2jax.OuterOptimizer`.
       mesh: a mesh with ``"replica"`` and ``"data"`` axes, and optionally ``"model"`` (see
@@ -257,10 +261,10 @@ class RoundTrainer:
 
     def check_batch(self, state: TrainState, batch: Any) -> None:
         """Raises ``ValueError`` unless every batch leaf is ``[replica, H, B, ...]``, D | B,
-        and ``loss_fn`` returns a scalar on one replica's batch of a step
+        and ``loss_fn`` returns a scalar on what it is handed
         (:func:`co2jax.engines.batches.check_batch`)."""
         args = self.replicas, self.sync_every, self.data, self.loss_fn, self._checked
-        check_batch(state.params, batch, *args)
+        check_batch(state.params, batch, *args, slices=1 if self.fsdp else self.data)
 
     # ------------------------------------------------------------------------------------
     # the round
@@ -271,7 +275,7 @@ class RoundTrainer:
         if weight is not None or self.exclude_nonfinite:
             w = jnp.float32(1) if weight is None else weight
             reducers = tuple(weighted(r, w, REPLICA, self.exclude_nonfinite) for r in reducers)
-        step = inner_step(self.loss_fn, self.inner, specs, taken)
+        step = inner_step(self.loss_fn, self.inner, specs, taken, not self.fsdp, self._check_vma)
         driver = RoundDriver(self.outer, plan.walk, reducers, step, batch, specs)
         count = len(plan.transfers)
         sums = varying_like(jnp.zeros((count, 3)), jax.lax.axis_index(REPLICA))

@@ -1,0 +1,50 @@
+"""An inner step's loss and gradient on a replica's batch, data-parallel inside the replica.
+
+Where the parameters are whole over ``data`` (every layout but FSDP), each ``data`` device
+takes the gradient of ``loss_fn`` on its slice of the replica's batch and the slices'
+gradients are averaged over ``data``: one reduction per inner step, in the gradients' own
+dtype, after the backward pass. The ``model`` axis stays the compiler's (tensor
+parallelism inside the step). Why by hand: left to the compiler, a data-parallel gradient of
+a model that scans over its layers is reduced layer by layer inside the backward loop, and
+XLA:TPU then kept 2.2x the temporary memory of this round (100M parameters, v5e 2x4,
+``docs/architecture.md``).
+
+Under FSDP the parameters are split over ``data``; the compiler gathers them for the step
+and reduces the gradient into their layout, ``loss_fn`` taking the replica's whole batch.
+
+Either way ``loss_fn(params, batch)`` is a mean over the examples it is given, so the step's
+loss and gradient are those of the replica's whole batch of the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from co2jax.axes import DATA
+
+
+def value_and_grad(loss_fn, params: Any, batch: Any, by_slices: bool, check_vma: bool = True):
+    """``(loss, grads)`` of ``loss_fn`` at ``params`` on ``batch`` (the replica's
+    ``[B, ...]`` leaves, inside its replica-manual program): with ``by_slices`` each
+    ``data`` device's slice, averaged over ``data``; otherwise the whole batch."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not by_slices or mesh.empty or mesh.shape.get(DATA, 1) == 1:
+        return jax.value_and_grad(loss_fn)(params, batch)
+
+    def per_slice(p, b):
+        # the parameters enter data-invariant: marked varying, grad gives this slice's
+        p = jax.lax.pcast(p, DATA, to="varying")
+        loss, grads = jax.value_and_grad(loss_fn)(p, b)
+        return jax.lax.pmean(loss, DATA), jax.lax.pmean(grads, DATA)
+
+    return jax.shard_map(
+        per_slice,
+        mesh=mesh,
+        in_specs=(P(), P(DATA)),
+        out_specs=P(),
+        axis_names={DATA},
+        check_vma=check_vma,
+    )(params, batch)
