@@ -106,6 +106,10 @@ class TrainConfig:
     sync_every: int = 16
     seed: int = 0
     max_skipped: int = 3  # rounds in a row skipped by outer.skip_nonfinite before the run stops
+    # inside a replica: split the outer state over data (1/D), and with fsdp the parameters
+    # and inner state too (tensor parallelism comes from mesh.model and the model's axes)
+    shard_outer_state: bool = False
+    fsdp: bool = False
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from flax.linen import partitioning as nn_partitioning
+from jax.sharding import PartitionSpec
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -151,7 +153,9 @@ class RMSNorm(nnx.Module):
     """``x / rms(x) * scale``, computed in float32."""
 
     def __init__(self, cfg: ModelConfig, eps: float = 1e-6):
-        self.scale = nnx.Param(jnp.ones((cfg.d_model,), cfg.params_dtype))
+        self.scale = nnx.Param(
+            jnp.ones((cfg.d_model,), cfg.params_dtype), out_sharding=("embed",), **_LAZY
+        )
         self.eps = eps
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
@@ -160,16 +164,40 @@ class RMSNorm(nnx.Module):
         return (x32 * self.scale[...].astype(jnp.float32)).astype(x_BxLxD.dtype)
 
 
-def _linear(cfg: ModelConfig, d_in: int, d_out: int, rngs: nnx.Rngs, std: float = 0.02):
+# Logical axes of every parameter, and the rules that lay them over the mesh (Megatron-style
+# tensor parallelism over "model": attention heads, the MLP's hidden units and the vocabulary
+# split; the residual width whole). FSDP, when asked for, adds "data" (co2jax.RoundTrainer).
+LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
+    ("vocab", "model"),
+    ("heads", "model"),
+    ("mlp", "model"),
+    ("embed", None),
+)
+# the names are metadata only: the engine places the arrays (no mesh when the model is built)
+_LAZY = {"eager_sharding": False}
+
+
+def _linear(
+    cfg: ModelConfig,
+    d_in: int,
+    d_out: int,
+    rngs: nnx.Rngs,
+    std: float = 0.02,
+    axes: tuple[str, str] = ("embed", "embed"),
+):
     return nnx.Linear(
         d_in,
         d_out,
         use_bias=False,
         dtype=cfg.compute_dtype,
         param_dtype=cfg.params_dtype,
-        kernel_init=nnx.initializers.normal(std),
+        kernel_init=nnx.with_partitioning(nnx.initializers.normal(std), axes, **_LAZY),
         rngs=rngs,
     )
+
+
+_IN_HEADS = ("embed", "heads")  # q, k, v: column-parallel over the heads
+_OUT_HEADS = ("heads", "embed")  # o: row-parallel
 
 
 class Attention(nnx.Module):
@@ -178,8 +206,8 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.config = cfg
         d, out_std = cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layers)
-        self.q, self.k, self.v = (_linear(cfg, d, d, rngs) for _ in range(3))
-        self.o = _linear(cfg, d, d, rngs, std=out_std)
+        self.q, self.k, self.v = (_linear(cfg, d, d, rngs, axes=_IN_HEADS) for _ in range(3))
+        self.o = _linear(cfg, d, d, rngs, std=out_std, axes=_OUT_HEADS)
 
     def __call__(self, x_BxLxD: jax.Array, positions_L: jax.Array) -> jax.Array:
         B, L, D = x_BxLxD.shape
@@ -201,9 +229,10 @@ class SwiGLU(nnx.Module):
     """``down(silu(gate(x)) * up(x))``."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.gate = _linear(cfg, cfg.d_model, cfg.d_ff, rngs)
-        self.up = _linear(cfg, cfg.d_model, cfg.d_ff, rngs)
-        self.down = _linear(cfg, cfg.d_ff, cfg.d_model, rngs, 0.02 / math.sqrt(2 * cfg.n_layers))
+        self.gate = _linear(cfg, cfg.d_model, cfg.d_ff, rngs, axes=("embed", "mlp"))
+        self.up = _linear(cfg, cfg.d_model, cfg.d_ff, rngs, axes=("embed", "mlp"))
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+        self.down = _linear(cfg, cfg.d_ff, cfg.d_model, rngs, out_std, axes=("mlp", "embed"))
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         return self.down(jax.nn.silu(self.gate(x_BxLxD)) * self.up(x_BxLxD))
@@ -231,13 +260,17 @@ class Transformer(nnx.Module):
             config.d_model,
             dtype=config.compute_dtype,
             param_dtype=config.params_dtype,
-            embedding_init=nnx.initializers.normal(0.02),
+            embedding_init=nnx.with_partitioning(
+                nnx.initializers.normal(0.02), ("vocab", "embed"), **_LAZY
+            ),
             rngs=rngs,
         )
         self.blocks = nnx.List([Block(config, rngs) for _ in range(config.n_layers)])
         self.final_norm = RMSNorm(config)
         if not config.tie_embeddings:
-            self.head = _linear(config, config.d_model, config.vocab_size, rngs)
+            self.head = _linear(
+                config, config.d_model, config.vocab_size, rngs, axes=("embed", "vocab")
+            )
 
     def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
         L = tokens_BxL.shape[1]
@@ -316,3 +349,21 @@ def layer_of(path: Sequence[Any]) -> int | None:
         if key == "blocks":
             return int(nxt)
     return None
+
+
+def partition_specs(params: Any, rules: Sequence = LOGICAL_RULES) -> Any:
+    """A ``PartitionSpec`` over the mesh per parameter, from the logical axes every
+    parameter declares and ``rules`` (logical name -> mesh axis): what
+    :class:`co2jax.RoundTrainer` takes as ``param_specs``.
+
+    Example:
+      >>> _, params = init_params(preset("tiny"), seed=0)
+      >>> specs = partition_specs(params)
+      >>> specs["blocks"][0]["mlp"]["up"]["kernel"].value, specs["embed"]["embedding"].value
+      (P(None, 'model'), P('model', None))
+    """
+    logical = jax.tree.leaves(
+        nnx.get_partition_spec(params), is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+    mesh = [nn_partitioning.logical_to_mesh_axes(tuple(spec), rules) for spec in logical]
+    return jax.tree.unflatten(jax.tree.structure(params), mesh)
