@@ -72,6 +72,51 @@ class Action(NamedTuple):
     chunk: int = 0
 
 
+class StateRoles(NamedTuple):
+    """What the fields of an outer optimizer's state are for: declared once on the state's
+    type as ``ROLES``, read by the drivers and wrappers through :func:`roles_of` and
+    :func:`anchor_of` (never by a field's name).
+
+    Attributes:
+      anchor: the field holding the parameters replicas restart from (replica-invariant
+        unless the algorithm is ``replica_local``); ``None`` when the state has none.
+      replica_varying: fields that differ between replicas by design (a replica's own
+        payloads, residuals, factors): a rejoining job takes them fresh.
+      advances: fields that advance on every sync, even one whose step is skipped (payloads
+        in flight, sync counters).
+      wraps: the field holding a wrapped algorithm's state (whose roles apply within it).
+    """
+
+    anchor: str | None = None
+    replica_varying: tuple[str, ...] = ()
+    advances: tuple[str, ...] = ()
+    wraps: str | None = None
+
+
+def roles_of(state: Any) -> StateRoles:
+    """The :class:`StateRoles` ``state``'s type declares (none: every field plain)."""
+    return getattr(type(state), "ROLES", StateRoles())
+
+
+def anchor_of(state: Any) -> Any:
+    """The anchor ``state`` holds (through the states it wraps), or ``None``.
+
+    Example:
+      >>> import jax.numpy as jnp, co2jax
+      >>> outer = co2jax.skip_nonfinite(co2jax.error_feedback(co2jax.diloco(
+      ...     co2jax.outer_sgd(0.7), reduce=co2jax.comm.all_gather_compressed(
+      ...         co2jax.comm.int8(block=4)))))
+      >>> anchor_of(outer.init({"w": jnp.ones(2)}))
+      {'w': Array([1., 1.], dtype=float32)}
+    """
+    roles = roles_of(state)
+    if roles.anchor is not None:
+        return getattr(state, roles.anchor)
+    if roles.wraps is not None:
+        return anchor_of(getattr(state, roles.wraps))
+    return None
+
+
 class OuterOptimizer(NamedTuple):
     """An outer-optimizer algorithm as a tuple of pure functions and a static schedule.
 

@@ -429,3 +429,14 @@ def check_paths(config: Config) -> Config:
     if config.checkpoint.dir is not None:
         _creatable("checkpoint.dir", config.checkpoint.dir, config.checkpoint.dir)
     return config
+
+
+def tensor_parallel(model_axis: int, model) -> None:
+    """Raises :class:`~experiments.config.ConfigError` on ``mesh.model`` unless it divides
+    what tensor parallelism splits (the resolved model config's heads, MLP width and
+    vocabulary: ``experiments.model.LOGICAL_RULES``)."""
+    split = {"n_heads": model.n_heads, "d_ff": model.d_ff, "vocab_size": model.vocab_size}
+    uneven = {k: v for k, v in split.items() if model_axis > 1 and v % model_axis}
+    if uneven:
+        listed = ", ".join(f"{k}={v}" for k, v in uneven.items())
+        _fail("mesh.model", model_axis, f"must divide what tensor parallelism splits: {listed}")

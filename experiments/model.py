@@ -367,3 +367,19 @@ def partition_specs(params: Any, rules: Sequence = LOGICAL_RULES) -> Any:
     )
     mesh = [nn_partitioning.logical_to_mesh_axes(tuple(spec), rules) for spec in logical]
     return jax.tree.unflatten(jax.tree.structure(params), mesh)
+
+
+def make_eval_fn(loss_fn: Callable, mesh) -> Callable:
+    """``eval_fn(stacked_params, batch) -> [R]``: each replica's loss on the whole
+    ``batch`` (replicated), in one program mapped over the replica axis (the parameters'
+    layout inside a replica the compiler's)."""
+    replica = PartitionSpec("replica")
+    return jax.jit(
+        jax.shard_map(
+            lambda p, b: loss_fn(jax.tree.map(lambda x: x[0], p), b)[None],
+            mesh=mesh,
+            in_specs=(replica, PartitionSpec()),
+            out_specs=replica,
+            axis_names={"replica"},
+        )
+    )

@@ -5,19 +5,28 @@ curves, the divergence flag).
 The cost model, :class:`Link` and :func:`simulated_round_s`, is documented and imported as
 ``experiments.compare.Link`` / ``experiments.compare.simulated_round_s`` (``compare``
 re-exports both): a ring all-reduce of N bytes over R replicas costs
-``2 (R-1)/R * N * 8 / bandwidth + 2 (R-1) * latency``. Synchronous algorithms wait for it; an
-algorithm whose reduction is overlapped hides it behind the round's compute, up to that
-compute, and slows the overlapped compute by ``overlap_slowdown``.
+``2 (R-1)/R * N * 8 / bandwidth + 2 (R-1) * latency``, and each algorithm's own schedule is
+priced (:func:`co2jax.engines.walk.round_seconds`): a transfer applied when it is sent waits
+for it; one sent earlier hides it behind the compute in between, up to that compute, and
+slows that compute by ``overlap_slowdown``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
+import co2jax
 from co2jax.algorithms import registry
+from co2jax.engines import jobstate
+from co2jax.engines.walk import round_seconds, walk
+from co2jax.protocol import Transfer, resolve
 
 # (label, overrides): every run sees the same tokens (same rounds, H, batch, seq_len, seed)
 SWEEP = [
@@ -142,6 +151,27 @@ class Link:
         return up + (replicas - 1) * self.latency_ms / 1e3
 
 
+@functools.cache
+def _plan(algorithm: str, H: int, fragments: int, tau: int, group_size: int, R: int):
+    """``(transfers, reach, every_step)`` of the registered ``algorithm``: its own resolved
+    schedule (built on stand-in parameters, one leaf per fragment), its reducer's reach, and
+    whether its inner transform communicates every step (traced, nothing run)."""
+    leaves = {f"layer{i}": jax.ShapeDtypeStruct((8,), jnp.float32) for i in range(fragments)}
+    config = registry.OuterConfig(
+        algorithm=algorithm, fragments=fragments, tau=tau, group_size=group_size
+    )
+    context = registry.Context(H, leaves, 0.1, num_replicas=R)
+    outer = registry.build(config, context)
+    mesh = co2jax.make_mesh(replica=1, data=1, devices=jax.devices()[:1])
+    inner = registry.inner(config, optax.sgd(0.1), 0.1)
+    try:
+        jobstate.check_inner_is_local(inner, leaves, mesh, co2jax.REPLICA)
+        every_step = False
+    except ValueError:
+        every_step = True
+    return resolve(outer, H), outer.reducer.reach, every_step
+
+
 def simulated_round_s(
     algorithm: str,
     step_s: float,
@@ -152,41 +182,34 @@ def simulated_round_s(
     fragments: int = 1,
     tau: int = 0,
     exchange: str = "ring",
-    overlapped: bool | None = None,
     group_size: int = 2,
 ) -> float:
-    """Simulated seconds of one round (H inner steps and the sync): the project's cost model.
+    """Simulated seconds of one round (H inner steps and its transfers): the project's cost
+    model, pricing ``algorithm``'s own schedule (:func:`co2jax.engines.walk.round_seconds`).
 
-    ``exchange`` is how a payload crosses the link: ``"ring"`` (an in-program ring
-    all-reduce, :meth:`Link.allreduce_s`) or ``"all_to_all"`` (the multi-job exchange,
-    :meth:`Link.exchange_s`). A synchronous algorithm waits for it; a delayed one
-    (the registry's ``delayed`` capability, or ``overlapped`` as a run recorded it) hides it
-    behind the round's compute, up to that compute, which it slows by
-    ``link.overlap_slowdown``. An algorithm that syncs fragments (Streaming DiLoCo) sends
-    ``fragments`` reductions of ``payload_bytes / fragments`` each, and each one hides behind
-    ``tau`` inner steps. One that communicates every step (DDP) pays the cost every step.
-    A gossip algorithm (NoLoCo) sends ``payload_bytes`` (what one replica sends per sync) to
-    its ``group_size - 1`` group mates (:meth:`Link.permute_s`), whatever R is.
+    ``payload_bytes`` is what one replica's transfers of a round carry in all, split equally
+    between them (Streaming DiLoCo's fragments). ``exchange`` is how a payload crosses the
+    link: ``"ring"`` (an in-program ring all-reduce, :meth:`Link.allreduce_s`) or
+    ``"all_to_all"`` (the multi-job exchange, :meth:`Link.exchange_s`). A transfer applied
+    when it is sent (DiLoCo) is waited for; one sent earlier (CO2, delayed DiLoCo: the whole
+    round; a fragment: ``tau`` steps) hides behind the compute in between, which it slows by
+    ``link.overlap_slowdown``. A reducer that reaches only a group (NoLoCo's gossip) sends
+    the payload to its ``group_size - 1`` group mates (:meth:`Link.permute_s`), whatever R
+    is. An inner transform that communicates every step (DDP, DeMo) exchanges
+    ``payload_bytes`` before every step's update, waited for.
     """
-    caps = registry.REGISTRY[algorithm].capabilities
-    overlapped = caps.delayed if overlapped is None else overlapped
     if exchange not in ("ring", "all_to_all"):
         raise ValueError(f"exchange must be 'ring' or 'all_to_all', got exchange={exchange!r}")
     cost = link.allreduce_s if exchange == "ring" else link.exchange_s
-    compute = H * step_s
-    if caps.gossip:
-        return compute + link.permute_s(payload_bytes, min(group_size, R) - 1)
-    if caps.every_step:
-        return H * (step_s + cost(payload_bytes, R))
-    if caps.fragments:
-        comm = cost(payload_bytes / fragments, R)
-        hidden = min(comm, tau * step_s)
-        return compute + fragments * (link.overlap_slowdown * hidden + comm - hidden)
-    comm = cost(payload_bytes, R)
-    if overlapped:
-        hidden = min(comm, compute)
-        return compute + link.overlap_slowdown * hidden + (comm - hidden)
-    return compute + comm
+    transfers, reach, every_step = _plan(algorithm, H, fragments, tau, group_size, R)
+    if reach == "group":
+        each = [link.permute_s(payload_bytes, min(group_size, R) - 1)] * len(transfers)
+    else:
+        each = [cost(payload_bytes / max(len(transfers), 1), R)] * len(transfers)
+    if every_step:  # the inner transform's exchange at every step boundary
+        transfers = (*transfers, *(Transfer(k, k) for k in range(1, H + 1)))
+        each = [*each, *([cost(payload_bytes, R)] * H)]
+    return round_seconds(walk(transfers, H), step_s, each, link.overlap_slowdown)
 
 
 def summarise(label, cfg, history, entropy, link, run_s) -> dict:
@@ -197,9 +220,12 @@ def summarise(label, cfg, history, entropy, link, run_s) -> dict:
     step_s = float(np.median(steady)) / H  # round 1 includes compilation
     per_round = history[-1]["bytes_total"] / len(history)
     # payload bytes per reduction, from the ring traffic 2(R-1)/R * N per replica
-    reductions = H if registry.REGISTRY[cfg.outer.algorithm].capabilities.every_step else 1
+    _, reach, every_step = _plan(
+        cfg.outer.algorithm, H, cfg.outer.fragments, cfg.outer.tau, cfg.outer.group_size, R
+    )
+    reductions = H if every_step else 1
     payload = per_round / reductions / (2 * (R - 1) / R) if R > 1 else 0.0
-    if registry.REGISTRY[cfg.outer.algorithm].capabilities.gossip:
+    if reach == "group":
         payload = per_round  # sent to the group mates, not a ring's traffic
     sim = simulated_round_s(
         cfg.outer.algorithm,
@@ -210,7 +236,6 @@ def summarise(label, cfg, history, entropy, link, run_s) -> dict:
         link,
         cfg.outer.fragments,
         cfg.outer.tau,
-        overlapped=history[-1].get("overlapped"),
         group_size=cfg.outer.group_size,
     )
     evals = [(r["tokens"], r["eval_loss"]) for r in history if "eval_loss" in r]

@@ -192,13 +192,7 @@ def _build_programs(cfg: config_lib.Config) -> tuple[_Programs, Any]:
         dtype=cfg.model.dtype,
         **overrides,
     )
-    split = {"n_heads": mcfg.n_heads, "d_ff": mcfg.d_ff, "vocab_size": mcfg.vocab_size}
-    uneven = {k: v for k, v in split.items() if cfg.mesh.model > 1 and v % cfg.mesh.model}
-    if uneven:
-        why = "must divide what tensor parallelism splits: "
-        raise config_lib.ConfigError(
-            "mesh.model", why + ", ".join(f"{k}={v}" for k, v in uneven.items()), cfg.mesh.model
-        )
+    checks.tensor_parallel(cfg.mesh.model, mcfg)
     graphdef, params = model_lib.init_params(mcfg, t.seed)
     loss_fn = model_lib.make_loss_fn(graphdef)
 
@@ -219,28 +213,13 @@ def _build_programs(cfg: config_lib.Config) -> tuple[_Programs, Any]:
     mesh = co2jax.make_mesh(cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model)
     # Pallas' interpreter is not typed for shard_map's varying-axis check (docs/kernels.md)
     check_vma = cfg.outer.implementation != "interpret"
+    layout = dict(shard_outer_state=t.shard_outer_state, fsdp=t.fsdp)  # TP: mesh.model
+    specs = model_lib.partition_specs(params)
     trainer = co2jax.RoundTrainer(
-        loss_fn,
-        inner,
-        outer,
-        mesh,
-        t.sync_every,
-        check_vma=check_vma,
-        param_specs=model_lib.partition_specs(params),  # tensor parallel over mesh.model
-        shard_outer_state=t.shard_outer_state,
-        fsdp=t.fsdp,
+        loss_fn, inner, outer, mesh, t.sync_every, check_vma=check_vma, param_specs=specs, **layout
     )
 
-    rep = P("replica")
-    eval_fn = jax.jit(  # each replica's loss on the whole eval batch, its layout the compiler's
-        jax.shard_map(
-            lambda p, b: loss_fn(jax.tree.map(lambda x: x[0], p), b)[None],
-            mesh=trainer.mesh,
-            in_specs=(rep, P()),
-            out_specs=rep,
-            axis_names={"replica"},
-        )
-    )
+    eval_fn = model_lib.make_eval_fn(loss_fn, trainer.mesh)
     eval_batch = jax.device_put(
         streams.eval_batch(cfg.eval.batch), NamedSharding(trainer.mesh, P())
     )

@@ -166,7 +166,7 @@ def test_two_replicas_by_hand():
     assert run("first", 0.0, 1)[0] == [[-5.0, -11.0]]
     ends, state = run("zeroth", 0.0, 2)
     assert ends == [[-3.0, -5.0], [-7.0, -9.0]]
-    np.testing.assert_array_equal(state.anchor["w"], [[-6.0], [-6.0]])
+    np.testing.assert_array_equal(co2jax.protocol.anchor_of(state)["w"], [[-6.0], [-6.0]])
     np.testing.assert_array_equal(state.sent[0][0], [[-4.0], [-8.0]])  # y of round 2's send
 
 
@@ -178,7 +178,7 @@ def test_state_fields_and_abstract_init():
     assert isinstance(state, co2jax.CoCoDCState)
     assert [[x.shape for x in frag] for frag in state.sent] == [[(2,), (2,)], [(1,)]]
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.sent))
-    assert state.anchor is state.streaming.anchor
+    assert co2jax.protocol.anchor_of(state) is state.streaming.anchor  # its declared role
     assert jax.eval_shape(_outer("none", 1, 0.5).init, shapes).sent == ()
 
 

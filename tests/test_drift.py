@@ -65,5 +65,5 @@ def test_the_round_engine_keeps_anchors_identical_and_an_injected_drift_fires(na
 
 
 def test_replica_local_anchors_have_nothing_to_compare():
-    with pytest.raises(ValueError, match="no field named in fields=\\('anchor',\\)"):
+    with pytest.raises(ValueError, match=r"\(dict\) declares no anchor to compare"):
         co2jax.replica_fingerprints({"error": jnp.zeros((2, 3))})

@@ -46,7 +46,7 @@ from co2jax.algorithms.streaming_diloco import StreamingState, streaming_diloco
 from co2jax.axes import REPLICA
 from co2jax.comm.reducer import Reducer
 from co2jax.fragments import Fragments
-from co2jax.protocol import OuterOptimizer
+from co2jax.protocol import OuterOptimizer, StateRoles
 
 Params = Any
 CORRECTIONS = ("none", "zeroth", "first")
@@ -67,12 +67,7 @@ class CoCoDCState(NamedTuple):
     streaming: StreamingState
     sent: tuple[Any, ...]
 
-    REPLICA_VARYING = ("sent",)
-
-    @property
-    def anchor(self) -> Params:
-        """Every fragment's global copy (``streaming.anchor``)."""
-        return self.streaming.anchor
+    ROLES = StateRoles(replica_varying=("sent",), wraps="streaming")
 
 
 def _check_hessian_scale(value: Any) -> float:

@@ -32,7 +32,7 @@ from co2jax._checks import check_axis_name, check_int, check_positive, check_uni
 from co2jax.axes import REPLICA
 from co2jax.comm.dct import all_gather_dct_topk
 from co2jax.comm.reducer import values
-from co2jax.protocol import SYNCHRONOUS, OuterOptimizer, Params
+from co2jax.protocol import SYNCHRONOUS, OuterOptimizer, Params, StateRoles
 
 
 class DCTDiLoCoState(NamedTuple):
@@ -50,6 +50,8 @@ class DCTDiLoCoState(NamedTuple):
     anchor: Params
     delta: Params
     count: jax.Array
+
+    ROLES = StateRoles("anchor", advances=("count",))
 
 
 def _check_weight(weight: Any) -> float | tuple[float, ...]:

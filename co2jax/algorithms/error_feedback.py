@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from co2jax._checks import check_unit_interval
 from co2jax.comm.reducer import Encoded
-from co2jax.protocol import OuterOptimizer, Params, payload_shapes
+from co2jax.protocol import OuterOptimizer, Params, StateRoles, payload_shapes
 from co2jax.tree import by_varying_axes, flatten
 
 
@@ -46,12 +46,7 @@ class ErrorFeedbackState(NamedTuple):
     inner_state: Any
     residuals: tuple[Any, ...]
 
-    REPLICA_VARYING = ("residuals",)
-
-    @property
-    def anchor(self) -> Any:
-        """The wrapped state's anchor (so that :func:`co2jax.skip_nonfinite` can wrap this)."""
-        return self.inner_state.anchor
+    ROLES = StateRoles(replica_varying=("residuals",), wraps="inner_state")
 
 
 def error_feedback(outer: OuterOptimizer, decay: float = 1.0) -> OuterOptimizer:
@@ -84,7 +79,7 @@ def error_feedback(outer: OuterOptimizer, decay: float = 1.0) -> OuterOptimizer:
             f"error_feedback needs a compressed reducer (with a codec), got outer.reducer="
             f"{reducer.name!r}"
         )
-    if reducer.encode is None and reducer.codec.name.startswith("topk"):
+    if reducer.encode is None and reducer.codec.sparse:
         raise ValueError(
             f"error feedback through {reducer.name} would re-encode a top-k payload and lose "
             "its support; use an all-gather reducer (co2jax.comm.all_gather_topk)"

@@ -77,10 +77,33 @@ def outer_sgd(
     spec = OuterUpdateSpec(learning_rate, momentum, nesterov=bool(nesterov))
 
     def split(state):
-        return (state[0].trace if momentum is not None else None), None, None
+        return (_trace(state).trace if momentum is not None else None), None, None
 
     def merge(state, m, gap, penalty_mean, applied):
         del gap, penalty_mean, applied
-        return (state[0]._replace(trace=m), *state[1:]) if momentum is not None else state
+        if momentum is None:
+            return state
+        return _with_trace(state, _trace(state)._replace(trace=m))
 
     return FusableTransformation(base.init, base.update, Fusable(spec, split, merge))
+
+
+def _trace(state: Any) -> optax.TraceState | None:
+    """The ``optax.TraceState`` inside an optax state (found by type, at any depth)."""
+    if isinstance(state, optax.TraceState):
+        return state
+    for part in state if isinstance(state, tuple) else ():
+        found = _trace(part)
+        if found is not None:
+            return found
+    return None
+
+
+def _with_trace(state: Any, trace: optax.TraceState) -> Any:
+    """``state`` with its ``optax.TraceState`` replaced by ``trace``."""
+    if isinstance(state, optax.TraceState):
+        return trace
+    if not isinstance(state, tuple):
+        return state
+    parts = [_with_trace(part, trace) for part in state]
+    return type(state)(*parts) if hasattr(type(state), "_fields") else type(state)(parts)

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from co2jax.protocol import OuterOptimizer, Params
+from co2jax.protocol import OuterOptimizer, Params, StateRoles, anchor_of, roles_of
 from co2jax.tree import all_over_shards, tree_all_finite, tree_select
 
 
@@ -21,6 +21,8 @@ class SkipNonfiniteState(NamedTuple):
 
     inner_state: Any
     num_skipped: jax.Array
+
+    ROLES = StateRoles(wraps="inner_state")
 
 
 def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
@@ -81,10 +83,11 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
 
     def init(params: Params) -> SkipNonfiniteState:
         inner = outer.init(params)
-        if not hasattr(inner, "anchor"):
+        if anchor_of(inner) is None:
             raise TypeError(
-                "skip_nonfinite needs an outer state with an 'anchor' field (the parameters "
-                f"replicas restart from); got state of type {type(inner).__name__}"
+                "skip_nonfinite needs an outer state that declares an anchor (the parameters "
+                f"replicas restart from, co2jax.protocol.StateRoles); got state of type "
+                f"{type(inner).__name__}"
             )
         return SkipNonfiniteState(inner, jnp.zeros([], jnp.int32))
 
@@ -99,11 +102,10 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
         kept = state.inner_state
         # in-flight bookkeeping advances even on a skip: this round's pseudo-gradient is sent
         # as usual and the sync count keeps counting syncs
-        for field in ("pending", "count"):
-            if field in getattr(kept, "_fields", ()):  # not tuple.count
-                kept = kept._replace(**{field: getattr(new_inner, field)})
+        for field in roles_of(kept).advances:
+            kept = kept._replace(**{field: getattr(new_inner, field)})
         inner = tree_select(ok, new_inner, kept)
-        params_out = tree_select(ok, new_params, state.inner_state.anchor)
+        params_out = tree_select(ok, new_params, anchor_of(state.inner_state))
         skipped = state.num_skipped + jnp.logical_not(ok).astype(jnp.int32)
         return params_out, SkipNonfiniteState(inner, skipped)
 

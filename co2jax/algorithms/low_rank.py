@@ -38,7 +38,7 @@ from co2jax._checks import check_int, check_unit_interval
 from co2jax.axes import REPLICA
 from co2jax.comm.lowrank import all_gather_low_rank, encode_factors, initial_factors
 from co2jax.comm.reducer import Encoded
-from co2jax.protocol import OuterOptimizer, Params, payload_shapes
+from co2jax.protocol import OuterOptimizer, Params, StateRoles, payload_shapes
 from co2jax.tree import tree_all_finite, tree_select
 
 
@@ -57,12 +57,7 @@ class LowRankState(NamedTuple):
     factors: tuple[tuple[jax.Array, ...], ...]
     residuals: tuple[Any, ...]
 
-    REPLICA_VARYING = ("factors", "residuals")
-
-    @property
-    def anchor(self) -> Any:
-        """The wrapped state's anchor (so that :func:`co2jax.skip_nonfinite` can wrap this)."""
-        return self.inner_state.anchor
+    ROLES = StateRoles(replica_varying=("factors", "residuals"), wraps="inner_state")
 
 
 def low_rank(

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from co2jax._checks import check_axis_name, check_int, check_positive, check_unit_interval
 from co2jax.axes import REPLICA
 from co2jax.comm.gossip import gossip_mean, gossip_payload
-from co2jax.protocol import SYNCHRONOUS, OuterOptimizer, Params
+from co2jax.protocol import SYNCHRONOUS, OuterOptimizer, Params, StateRoles
 from co2jax.tree import tree_sub
 
 
@@ -32,6 +32,8 @@ class NoLoCoState(NamedTuple):
     anchor: Params
     momentum: Params
     count: jax.Array
+
+    ROLES = StateRoles("anchor", advances=("count",))
 
 
 def noloco(

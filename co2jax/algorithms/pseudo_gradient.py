@@ -37,7 +37,7 @@ from co2jax.axes import REPLICA, axis_size
 from co2jax.comm import policy
 from co2jax.comm.reducer import Reducer, as_reducer, values
 from co2jax.kernels.api import check_implementation, outer_update
-from co2jax.protocol import DELAYED, SYNCHRONOUS, OuterOptimizer, Params
+from co2jax.protocol import DELAYED, SYNCHRONOUS, OuterOptimizer, Params, StateRoles
 from co2jax.tree import tree_select, tree_size, tree_sub
 
 
@@ -60,7 +60,7 @@ class PseudoGradientState(NamedTuple):
     pending: tuple[Params, ...]
     count: jax.Array
 
-    REPLICA_VARYING = ("pending",)
+    ROLES = StateRoles("anchor", ("pending",), ("pending", "count"))
 
 
 def pseudo_gradient_method(

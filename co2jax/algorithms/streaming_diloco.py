@@ -42,7 +42,7 @@ from co2jax._checks import check_axis_name, check_int, check_transform, check_un
 from co2jax.axes import REPLICA
 from co2jax.comm.reducer import Reducer, as_reducer
 from co2jax.fragments import Fragments
-from co2jax.protocol import OuterOptimizer, Transfer
+from co2jax.protocol import OuterOptimizer, StateRoles, Transfer
 
 Params = Any
 
@@ -60,6 +60,8 @@ class StreamingState(NamedTuple):
     anchor: Params
     outer_states: tuple[Any, ...]
     count: jax.Array
+
+    ROLES = StateRoles("anchor", advances=("count",))
 
 
 def schedule(sync_every: int, count: int, tau: int) -> tuple[Transfer, ...]:

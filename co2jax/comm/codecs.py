@@ -65,6 +65,8 @@ class Codec(NamedTuple):
         payloads stacked on a leading axis, in one pass (a fused kernel); ``None`` decodes
         them one by one.
       block: elements per scale block, for the formats that have one.
+      sparse: the encoding selects entries and carries their indices (top-k): decoded and
+        encoded again, it would select anew and lose its support.
     """
 
     name: str
@@ -73,6 +75,7 @@ class Codec(NamedTuple):
     wire_bytes: Callable[[int], int]
     decode_mean: Callable[[Any, int], jax.Array] | None = None
     block: int | None = None
+    sparse: bool = False
 
     def roundtrip(self, x: jax.Array) -> jax.Array:
         """``decode(encode(x))`` for a vector."""
@@ -284,7 +287,8 @@ def topk(k: int, chunk: int = 4096, values: Codec | None = None) -> Codec:
         chunks = _nblocks(n, chunk)
         return chunks * k * 2 + values.wire_bytes(chunks * k)
 
-    return Codec(f"topk{k}/{chunk}+{values.name}", encode, decode, wire_bytes, block=chunk)
+    name = f"topk{k}/{chunk}+{values.name}"
+    return Codec(name, encode, decode, wire_bytes, block=chunk, sparse=True)
 
 
 def support(encoded: Any, chunk: int, n: int) -> jax.Array:

@@ -155,4 +155,4 @@ def gossip_mean(
         return float(min(group_size, replicas) - 1) * tree_bytes(shapes)
 
     # no gather form: a replica exchanges with its group, not with every replica
-    return Reducer(f"gossip(n={group_size})", reduce, wire)
+    return Reducer(f"gossip(n={group_size})", reduce, wire, reach="group")

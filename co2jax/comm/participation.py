@@ -68,13 +68,13 @@ def weighted(
     gossip exchange) is refused. ``exclude_nonfinite``: a replica whose payload has a NaN or
     an Inf is left out of this reduction (weight 0).
     """
-    if reducer.name.startswith("gossip") or (reducer.encode is None and not reducer.exact):
+    if reducer.reach != "all" or (reducer.encode is None and not reducer.exact):
         raise ValueError(
             f"participation weights need an exact mean or a reducer with a gather form, got "
             f"reducer={reducer.name!r}"
             + (
                 " (a gossip exchange has no all-replica reduction)"
-                if "gossip" in reducer.name
+                if reducer.reach != "all"
                 else ""
             )
         )

@@ -71,6 +71,9 @@ class Reducer(NamedTuple):
       chunkable: its payload can be cut into chunks reduced one by one (a spread schedule);
         False for encodings that stand only whole (low-rank factors, a per-tensor quantizer):
         a driver then sends the transfer whole unless asked to spread, and refuses if asked.
+      reach: whose payloads a replica receives: ``"all"`` (every replica's: a mean, a
+        gather) or ``"group"`` (its group mates' only: gossip), which has no all-replica
+        reduction to weight or to exchange between jobs.
     """
 
     name: str
@@ -81,6 +84,7 @@ class Reducer(NamedTuple):
     gathered: bool = False
     exact: bool = False
     chunkable: bool = True
+    reach: str = "all"
 
     def __call__(self, payload: Payload) -> Any:
         return self.reduce(payload)

@@ -423,6 +423,7 @@ def all_gather_topk_quantized(
         lambda x: _encode_leaf(x, leaf_tiling(x.shape), range_sigmas),
         lambda e, n: _reduce_leaf(e[None], leaf_tiling((n,)), average, clip),
         lambda n: leaf_tiling((n,)).nbytes,
+        sparse=True,
     )
     name = f"all_gather_topk_quantized({codec.name}, {average})"
     return Reducer(

@@ -7,9 +7,9 @@ optimizer makes them drift apart silently. :func:`replica_fingerprints` digests 
 replica's copy (:func:`co2jax.tree.fingerprint`: any one changed bit changes it), and
 :func:`check_drift` reports a mismatch with the round and the replicas.
 
-What is compared: the leaves under a field named in ``fields`` (default ``("anchor",)``;
-every co2jax algorithm keeps its anchor there, nested in wrappers' states too). Fields that
-legitimately differ between replicas (error-feedback residuals) are not compared. Algorithms
+What is compared: the anchor the state declares (:func:`co2jax.protocol.anchor_of`, through
+wrappers' states). Fields that legitimately differ between replicas (error-feedback
+residuals) are not compared. Algorithms
 whose anchors are replica-local (eager updates, NoLoCo, DCT-momentum DiLoCo) have nothing to
 compare: :func:`invariant_part` raises for them.
 
@@ -34,9 +34,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from co2jax.protocol import anchor_of
 from co2jax.tree import fingerprint
-
-FIELDS = ("anchor",)
 
 
 class DriftError(RuntimeError):
@@ -49,25 +48,21 @@ class DriftError(RuntimeError):
         self.round, self.replicas, self.fingerprints = round, replicas, fingerprints
 
 
-def invariant_part(outer_state: Any, fields: tuple[str, ...] = FIELDS) -> list:
-    """The leaves of ``outer_state`` under an attribute or key named in ``fields``."""
-    found = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(outer_state):
-        names = {getattr(k, "name", getattr(k, "key", None)) for k in path}
-        if names & set(fields):
-            found.append(leaf)
-    if not found:
+def invariant_part(outer_state: Any) -> list:
+    """The leaves of the anchor ``outer_state`` declares (:func:`co2jax.protocol.anchor_of`)."""
+    anchor = anchor_of(outer_state)
+    if anchor is None:
         raise ValueError(
-            f"the outer state has no field named in fields={fields!r} to compare across "
-            "replicas (an algorithm with replica-local anchors has none)"
+            f"the outer state ({type(outer_state).__name__}) declares no anchor to compare "
+            "across replicas (co2jax.protocol.StateRoles)"
         )
-    return found
+    return jax.tree.leaves(anchor)
 
 
-def replica_fingerprints(stacked_outer_state: Any, fields: tuple[str, ...] = FIELDS) -> dict:
+def replica_fingerprints(stacked_outer_state: Any) -> dict:
     """``{replica: uint32}`` for an outer state whose leaves have a leading replica axis (a
     :class:`~co2jax.TrainState`'s)."""
-    leaves = invariant_part(stacked_outer_state, fields)
+    leaves = invariant_part(stacked_outer_state)
     digests = np.asarray(jax.jit(jax.vmap(fingerprint))(leaves))
     return {r: int(d) for r, d in enumerate(digests)}
 

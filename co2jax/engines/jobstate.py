@@ -31,6 +31,7 @@ import numpy as np
 
 from co2jax.axes import COLLECTIVES
 from co2jax.mesh import replica_map
+from co2jax.protocol import roles_of
 
 HEADER_MASK = 0xFFFFFFFF
 
@@ -87,10 +88,11 @@ def check_frame(arrays: list, like: list, peer: int, step: int) -> str | None:
 
 
 def reset_varying(state: Any, fresh: Any) -> Any:
-    """``state`` with every field named in its type's ``REPLICA_VARYING`` taken from
-    ``fresh`` (an ``init`` of the same structure), at any depth."""
+    """``state`` with every field its type declares replica-varying
+    (:class:`co2jax.protocol.StateRoles`) taken from ``fresh`` (an ``init`` of the same
+    structure), at any depth."""
     if isinstance(state, tuple) and hasattr(type(state), "_fields"):
-        varying = getattr(type(state), "REPLICA_VARYING", ())
+        varying = roles_of(state).replica_varying
         fields = {
             name: getattr(fresh, name)
             if name in varying

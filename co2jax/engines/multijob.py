@@ -150,7 +150,7 @@ class JobTrainer:
                 + (
                     " (a gossip reducer exchanges with a group of replicas only: run it in the "
                     "SPMD drivers)"
-                    if outer.reducer.name.startswith("gossip")
+                    if outer.reducer.reach != "all"
                     else ""
                 )
             )

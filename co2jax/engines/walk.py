@@ -17,8 +17,7 @@ this one walk (:func:`run`) and supplies only how it does four things (:class:`D
 The round engine runs a segment as one ``lax.scan`` with its chunks inside the steps; the
 per-step adapter is one step at a time (:meth:`Walk.before` and :meth:`Walk.after` say what
 runs before and after step k); separate jobs publish each chunk at a boundary of its own
-(``chunks_in_steps=False``); the cost model prices the same walk
-(:func:`co2jax.engines.walk.timeline`).
+(``chunks_in_steps=False``); the cost model prices the same walk (:func:`round_seconds`).
 
 Example:
   >>> from co2jax.protocol import Transfer
@@ -163,63 +162,27 @@ def run(w: Walk, driver: Driver, carry: Any) -> Any:
     return act(driver, carry, w.end)
 
 
-class Timeline(NamedTuple):
-    """What :func:`timeline` found: ``round_s`` (the round's seconds), ``wait_s`` (waiting
-    for transfers at their applies) and ``hidden_s`` (transfer seconds under compute)."""
+def round_seconds(w: Walk, step_s: float, transfer_s: list[float], slowdown: float = 0.0) -> float:
+    """The seconds of one round of ``w`` (the cost model's): H inner steps of ``step_s``
+    each, and per transfer i of ``transfer_s[i]`` seconds on the link, hidden behind the
+    inner steps between its send and its apply, up to their compute (the hidden time slows
+    that compute by ``slowdown``, a fraction), the rest waited for at its apply:
 
-    round_s: float
-    wait_s: float
-    hidden_s: float
+    .. math::
 
+        T = H s + \\sum_i \\left(\\sigma h_i + c_i - h_i\\right), \\qquad
+        h_i = \\min(c_i, (\\mathrm{apply}_i - \\mathrm{send}_i)\\, s)
 
-def timeline(w: Walk, step_s: float, transfer_s: list[float], slowdown: float = 1.0) -> Timeline:
-    """The seconds of one round of ``w``: inner steps of ``step_s`` each, transfer i's
-    reduction taking ``transfer_s[i]`` on one link (transfers queue on it in the order they
-    are sent; a transfer in chunks sends chunk c no earlier than before its step c).
-    A transfer that is on the wire while steps compute slows them by ``slowdown`` for that
-    time; an apply waits for its transfer to arrive.
+    Transfers are priced one by one (two whose spans overlap do not share the link).
 
     Example:
       >>> from co2jax.protocol import Transfer
       >>> sync, delayed = walk((Transfer(4, 4),), 4), walk((Transfer(0, 4),), 4)
-      >>> timeline(sync, 1.0, [3.0]).round_s, timeline(delayed, 1.0, [3.0]).round_s
+      >>> round_seconds(sync, 1.0, [3.0]), round_seconds(delayed, 1.0, [3.0])
       (7.0, 4.0)
     """
-    now, link_free, wait, hidden = 0.0, 0.0, 0.0, 0.0
-    arrive: dict[int, float] = {}
-    busy: list[tuple[float, float]] = []  # link intervals
-
-    def put(i: int, seconds: float, at: float) -> None:
-        nonlocal link_free
-        start = max(at, link_free)
-        link_free = start + seconds
-        arrive[i] = link_free
-        busy.append((start, link_free))
-
-    def boundary(actions) -> None:
-        nonlocal now, wait
-        for a in actions:
-            t = w.transfers[a.transfer]
-            if a.kind in ("sync", "send") and t.chunks == 1:
-                put(a.transfer, transfer_s[a.transfer], now)
-            if a.kind == "chunk":
-                put(a.transfer, transfer_s[a.transfer] / t.chunks, now)
-            if a.kind in ("sync", "apply"):
-                done = arrive.pop(a.transfer, now)
-                wait += max(0.0, done - now)
-                now = max(now, done)
-
-    def compute(seconds: float) -> None:
-        nonlocal now, hidden
-        overlap = sum(max(0.0, min(e, now + seconds) - max(s, now)) for s, e in busy)
-        hidden += overlap
-        now += seconds + (slowdown - 1.0) * overlap
-
-    for segment in w.segments:
-        boundary(segment.actions)
-        for _ in range(segment.start, segment.stop):
-            for i in segment.chunked:
-                put(i, transfer_s[i] / w.transfers[i].chunks, now)
-            compute(step_s)
-    boundary(w.end)
-    return Timeline(now, wait, hidden)
+    total = w.steps * step_s
+    for t, seconds in zip(w.transfers, transfer_s, strict=True):
+        hidden = min(seconds, (t.apply - t.send) * step_s)
+        total += slowdown * hidden + seconds - hidden
+    return total
