@@ -79,7 +79,7 @@ from co2jax.engines import (
     local_updates,
     replica_fingerprints,
 )
-from co2jax.mesh import make_mesh
+from co2jax.mesh import make_mesh, replica_map
 from co2jax.protocol import OuterOptimizer, Transfer
 from co2jax.tree import consensus_distance, fingerprint
 
@@ -138,6 +138,7 @@ __all__ = [
     "local_sgd",
     "local_updates",
     "make_mesh",
+    "replica_map",
     "no_sync",
     "noloco",
     "NoLoCoState",

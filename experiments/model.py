@@ -359,7 +359,8 @@ def partition_specs(params: Any, rules: Sequence = LOGICAL_RULES) -> Any:
     Example:
       >>> _, params = init_params(preset("tiny"), seed=0)
       >>> specs = partition_specs(params)
-      >>> specs["blocks"][0]["mlp"]["up"]["kernel"].value, specs["embed"]["embedding"].value
+      >>> up, embed = specs["blocks"][0]["mlp"]["up"]["kernel"], specs["embed"]["embedding"]
+      >>> up.get_value(), embed.get_value()
       (P(None, 'model'), P('model', None))
     """
     logical = jax.tree.leaves(

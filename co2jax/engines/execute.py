@@ -56,11 +56,13 @@ class Carry(NamedTuple):
 
 
 class Specs(NamedTuple):
-    """Per-replica ``PartitionSpec`` trees the round keeps its state in."""
+    """Per-replica ``PartitionSpec`` trees the round keeps its state in; ``outer_params``:
+    where the parameters lie while the outer step reads them (as the outer state)."""
 
     params: Any
     inner_state: Any
     outer_state: Any
+    outer_params: Any
 
 
 def sums(payload_values: list, reduced_values: list) -> jax.Array:
@@ -113,7 +115,8 @@ class RoundDriver:
         return c._replace(sums=c.sums.at[i].add(s))
 
     def send(self, c: Carry, i: int) -> Carry:
-        payload, state = self.outer.send(c.params, c.outer_state, i)
+        params = constrain(c.params, self.specs.outer_params)
+        payload, state = self.outer.send(params, c.outer_state, i)
         c = c._replace(outer_state=constrain(state, self.specs.outer_state))
         t = self.walk.transfers[i]
         if t.chunks == 1:
@@ -136,7 +139,8 @@ class RoundDriver:
             payload, reduced = self.store.pop(i)
             pairs = (jax.tree.leaves(values(payload)), jax.tree.leaves(values(reduced)))
             c = self._add(c, i, sums(*pairs))
-        params, state = self.outer.apply(c.params, c.outer_state, i, reduced)
+        params = constrain(c.params, self.specs.outer_params)
+        params, state = self.outer.apply(params, c.outer_state, i, reduced)
         return c._replace(
             params=constrain(params, self.specs.params),
             outer_state=constrain(state, self.specs.outer_state),

@@ -200,6 +200,13 @@ class Layout:
         """The inner optimizer state's specs: each leaf where its parameter lies."""
         return self.state_specs(init, shapes, param_specs, replicas)
 
+    def outer_param_specs(self, shapes: Any, specs: Any) -> Any:
+        """Where the parameters lie while the outer step reads them: as the outer state does
+        (with a sharded outer state, split over ``data`` the FSDP way; a whole parameter is
+        sliced where it lies, with no communication)."""
+        specs = self.check_specs(shapes, specs)
+        return self._with_data(shapes, specs) if self.sharded else self.param_specs(shapes, specs)
+
     def outer_specs(self, init, shapes: Any, specs: Any, replicas: int) -> Any:
         """The outer state's specs: where the parameters lie, and with a sharded outer state
         where they would lie split over ``data``, every other leaf split over ``data`` too."""

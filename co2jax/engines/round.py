@@ -201,6 +201,7 @@ class RoundTrainer:
                 param,
                 layout.inner_specs(self.inner.init, shapes, param, R),
                 layout.outer_specs(self.outer.init, shapes, self.param_specs, R),
+                layout.outer_param_specs(shapes, self.param_specs),
             )
         return self._specs[key]
 
