@@ -174,8 +174,8 @@ class _Carry(NamedTuple):
 
 
 class _Driver:
-    """The adapter's send, chunk and apply (:class:`co2jax.engines.walk.Driver`); its steps
-    are the optax loop's, one per call."""
+    """The adapter's send, chunk and apply (what :func:`co2jax.engines.walk.act` runs); its
+    steps are the optax loop's, one per call."""
 
     def __init__(self, outer: OuterOptimizer, run: tuple, reducer: Reducer, shapes: list):
         self.outer, self.run, self.reducer, self.shapes = outer, run, reducer, shapes
@@ -212,9 +212,6 @@ class _Driver:
             reduced = chunks.result(self._plan(i), c.inflight[i])
         params, state = self.outer.apply(c.params, c.outer_state, i, reduced)
         return c._replace(params=params, outer_state=state)
-
-    def segment(self, c: _Carry, segment) -> _Carry:  # the optax loop runs the steps
-        raise NotImplementedError("the per-step adapter runs one step per update call")
 
 
 def _at_step(k, H: int, actions_of, driver: _Driver, carry: _Carry, moves_params: bool):

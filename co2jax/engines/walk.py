@@ -83,10 +83,6 @@ class Walk(NamedTuple):
         boundary k + 1 (one sent there too is sent there first)."""
         return tuple(a for a in self.at(k + 1) if a.kind in ("sync", "apply"))
 
-    def chunked(self, k: int) -> tuple[int, ...]:
-        """The transfers that reduce a chunk before step ``k`` (inside a segment)."""
-        return next((s.chunked for s in self.segments if s.start <= k < s.stop), ())
-
 
 def walk(transfers: tuple[Transfer, ...], steps: int, chunks_in_steps: bool = True) -> Walk:
     """``transfers`` (resolved: :func:`co2jax.protocol.resolve`) for rounds of ``steps``
