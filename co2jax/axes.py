@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 
 REPLICA = "replica"
@@ -50,3 +53,25 @@ def bound_axis_size(axis_name: str) -> int | None:
         return jax.lax.axis_size(axis_name)
     except NameError:
         return None
+
+
+def collectives_in(jaxpr: Any, axis: str) -> int:
+    """How many collectives over ``axis`` a traced program holds (sub-programs included)."""
+    found = 0
+    for eqn in jaxpr.eqns:
+        names = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+        names = names if isinstance(names, tuple | list) else (names,)
+        found += axis in names and eqn.primitive.name in COLLECTIVES
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += collectives_in(inner, axis)
+    return found
+
+
+def communicates(fn: Callable, args: tuple, axis: str = "replica", size: int = 2) -> bool:
+    """Whether ``fn(*args)`` (arrays or ShapeDtypeStructs) communicates over ``axis`` when
+    that axis is bound with ``size`` members (traced, nothing run)."""
+    closed = jax.make_jaxpr(fn, axis_env=[(axis, size)])(*args)
+    return collectives_in(closed.jaxpr, axis) > 0

@@ -135,6 +135,8 @@ class OuterOptimizer(NamedTuple):
       accepts_gathered: True when ``apply`` also takes the replicas' payloads un-reduced, as
         :class:`co2jax.kernels.Gathered` (a fused outer update averages them in its pass).
       period: the H the schedule's step numbers are for (``None``: any H).
+      fused: True when ``apply`` is one fused outer update (:func:`co2jax.kernels.outer_update`,
+        the Pallas kernel where ``implementation`` says).
       recovers_nonfinite: True when a non-finite round is survivable (set by
         :func:`co2jax.skip_nonfinite`): the engines then reset a replica's non-finite inner
         optimizer state at the round's end (the round engine) or skip a non-finite inner
@@ -150,6 +152,7 @@ class OuterOptimizer(NamedTuple):
     accepts_gathered: bool = False
     period: int | None = None
     recovers_nonfinite: bool = False
+    fused: bool = False
 
     def reduce(self, payload: Payload) -> Any:
         """``reducer(payload)``."""

@@ -1,8 +1,10 @@
 """Checks of a run config, before anything is built, compiled or written.
 
-:func:`validate` checks every field of an :class:`experiments.config.Config`: types, ranges,
-finite numbers, settings the run would ignore (a field of another algorithm or data kind),
-cross-field rules (delays, fragments, the mesh) and the host memory the data buffers need. A
+:func:`validate` checks every field of an :class:`experiments.config.Config`, once per run:
+types, choices, ranges, finite numbers, the outer algorithm's own checks (its settings class:
+a setting it does not declare cannot even be set), settings the run would ignore (a field of
+another data kind), cross-field rules (the mesh, the batch) and the host memory the data
+buffers need. A
 refused setting raises :class:`experiments.config.ConfigError`, naming the field as it is
 overridden (``outer.topk=0: must be >= 1``). :func:`load` is a preset, its overrides and
 validation in one call; :func:`check_paths` checks what a config names on disk.
@@ -10,10 +12,10 @@ validation in one call; :func:`check_paths` checks what a config names on disk.
 Example:
   >>> load("cpu-tiny", ["outer.algorithm=co2", "train.rounds=3"]).train.rounds
   3
-  >>> load("cpu-tiny", ["outer.algorithm=co2", "outer.delay=2"])
+  >>> load("cpu-tiny", ["outer.algorithm=co2", "outer.clip_threshold=0"])
   Traceback (most recent call last):
   ...
-  experiments.config.ConfigError: outer.delay=2: ignored unless outer.algorithm is ...
+  experiments.config.ConfigError: outer.clip_threshold=0.0: must be > 0 or None
 """
 
 from __future__ import annotations
@@ -28,14 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from co2jax.algorithms import registry
-from co2jax.algorithms.registry import OuterConfig
 from experiments import model as model_lib
 from experiments.config import (
-    CHOICES,
-    DATA_KINDS,
-    MODEL_DTYPES,
-    SCHEDULES,
-    TOKEN_DTYPES,
     Config,
     ConfigError,
     DataConfig,
@@ -43,30 +39,27 @@ from experiments.config import (
     MeshConfig,
     ModelConfig,
     TrainConfig,
-    _hint,
-    _leaves,
+    field_type,
+    from_file,
+    from_library,
+    leaves,
     override,
     preset,
 )
 
 
-def load(name: str, overrides: Sequence[str] = ()) -> Config:
-    """The preset ``name`` with ``overrides`` applied, validated (:func:`validate`, without a
-    device count): what the command line runs."""
-    return validate(override(preset(name), list(overrides)))
+def load(name: str, overrides: Sequence[str] = (), config_file: str | None = None) -> Config:
+    """The preset ``name``, the file ``config_file`` on top (YAML or JSON) and ``overrides``
+    on top of that, validated (:func:`validate`, without a device count): what the command
+    line runs. The one validation of a run."""
+    config = preset(name)
+    if config_file is not None:
+        config = from_file(config, config_file)
+    return validate(override(config, list(overrides)))
 
 
 def _fail(key: str, value: Any, why: str) -> typing.NoReturn:
     raise ConfigError(key, why, value)
-
-
-def _from_library(error: ValueError) -> ConfigError:
-    """The registry's ``outer.name=value: why`` ValueError as a ConfigError, message kept."""
-    message = str(error).replace("\n", " ")
-    head, _, why = message.partition(": ")
-    out = ConfigError(head.split("=", 1)[0], why or message)
-    out.args = (message,)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,7 +67,6 @@ def _from_library(error: ValueError) -> ConfigError:
 
 _STEPS = 2**31  # optax's and the engine's step counters are int32
 _SEEDS = 2**63  # jax.random.key takes an int64
-_DELAYED = ("delayed_diloco", "eager_diloco", "diloco_x")
 
 
 def _at_least(key: str, value: int, lo: int, note: str = "") -> None:
@@ -94,10 +86,13 @@ def _seed(key: str, value: int) -> None:
 
 
 def _check_types(config: Config) -> None:
-    """Every field holds its annotated type (a float field takes an int) and floats are
-    finite."""
-    for key, f, value in _leaves(config):
-        hint, optional = _hint(f.type)
+    """Every field holds its annotated type (a float field takes an int), floats are finite
+    and a string with a fixed set of values holds one of them."""
+    if not isinstance(config.outer, registry.Settings):
+        why = "must be an algorithm's settings (co2jax.algorithms.registry.settings(name, ...))"
+        _fail("outer", type(config.outer).__name__, why)
+    for key, f, value in leaves(config):
+        hint, optional = field_type(f.type)
         if value is None and optional:
             continue
         ok = isinstance(value, int | float if hint is float else hint)
@@ -105,6 +100,9 @@ def _check_types(config: Config) -> None:
             _fail(key, value, f"expected {hint.__name__}" + (" or none" if optional else ""))
         if hint is float and not math.isfinite(value):
             _fail(key, value, "must be a finite number")
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            _fail(key, value, f"must be one of {choices}")
 
 
 def _check_train(t: TrainConfig) -> None:
@@ -122,101 +120,15 @@ def _check_train(t: TrainConfig) -> None:
         )
 
 
-def reads(o: OuterConfig) -> dict[str, tuple[bool, str, str]]:
-    """The outer fields only some settings read: ``(read here, when, what is set here)``."""
-
-    def only(*names: str) -> tuple[bool, str, str]:
-        when = "outer.algorithm is " + " or ".join(map(repr, names))
-        return o.algorithm in names, when, repr(o.algorithm)
-
-    co2, here = o.algorithm == "co2", f"{o.algorithm!r}, {o.penalty!r}"
-    with_penalty = "outer.algorithm is 'co2' and outer.penalty is "
-    return {
-        "delay": only(*_DELAYED),
-        "penalty": only("co2"),
-        "mode": only("co2"),
-        "penalty_lambda": (co2 and o.penalty == "constant", with_penalty + "'constant'", here),
-        "gap_decay": (co2 and o.penalty == "gap_aware", with_penalty + "'gap_aware'", here),
-        "clip_threshold": (
-            co2 and o.mode == "paper",
-            "outer.algorithm is 'co2' and outer.mode is 'paper'",
-            f"{o.algorithm!r}, {o.mode!r}",
-        ),
-        "fragments": only("streaming_diloco", "cocodc"),
-        "tau": only("streaming_diloco", "cocodc"),
-        "alpha": only("streaming_diloco", "cocodc"),
-        "correction": only("cocodc"),
-        "hessian_scale": only("cocodc"),
-        "decay": only("sparseloco", "dct_diloco"),
-        "topk": only("sparseloco", "dct_diloco", "demo"),
-        "chunk": only("sparseloco"),
-        "quantizer": only("sparseloco"),
-        "average": only("sparseloco"),
-        "dct_chunk": only("dct_diloco", "demo"),
-        "group_size": only("noloco"),
-        "rank": only("diloco_x"),
-        "factors": only("diloco_x"),
-        "beta2": (o.optimizer == "adam", "outer.optimizer is 'adam'", repr(o.optimizer)),
-        "collective": (o.compression != "none", "outer.compression is set", repr(o.compression)),
-    }
-
-
 def _check_outer(config: Config, layers: int) -> None:
-    """The registry's checks (named ``outer.*``), then what only this module knows: settings the
-    algorithm would ignore, the library factories' ranges, the rounds and the model."""
-    o, t = config.outer, config.train
+    """The algorithm's own checks (:meth:`co2jax.algorithms.settings.Settings.validate`:
+    every piece it is made of, then its own rules), with what the rest of the run fixes."""
+    t, replicas = config.train, config.mesh.replica
+    bounds = registry.Bounds(t.sync_every, t.rounds, replicas if replicas >= 1 else None, layers)
     try:
-        registry.validate(o, t.sync_every)
+        config.outer.validate(bounds)
     except ValueError as e:
-        raise _from_library(e) from None
-    default = OuterConfig()
-    for name, (read, when, here) in reads(o).items():
-        value = getattr(o, name)
-        if not read and value != getattr(default, name):
-            _fail(f"outer.{name}", value, f"ignored unless {when} (here {here})")
-    if o.algorithm == "co2":
-        if not o.penalty_lambda > 0:
-            _fail("outer.penalty_lambda", o.penalty_lambda, "must be > 0")
-        _within("outer.gap_decay", o.gap_decay, 0, 1)
-        if o.mode == "reference_code" and o.penalty == "gap_aware":
-            _fail(
-                "outer.penalty", o.penalty, "outer.mode='reference_code' takes 'none' or 'constant'"
-            )
-    if o.algorithm == "sparseloco" and o.quantizer == "ternary":
-        _within("outer.chunk", o.chunk, 1, 65536, closed=True)  # uint16 indices
-        _within("outer.topk", o.topk, 1, o.chunk, closed=True)
-        if o.topk % 4:
-            _fail("outer.topk", o.topk, "must be a multiple of 4 (2-bit values, 4 a byte)")
-    if o.algorithm == "sparseloco" and o.quantizer == "production":
-        _within("outer.chunk", o.chunk, 1, 4096, closed=True)  # 12-bit indices
-        _within("outer.topk", o.topk, 2, min(o.chunk, 4096), closed=True)
-        if o.topk % 2:
-            _fail("outer.topk", o.topk, "must be even in the production quantizer")
-    if o.lr_schedule != "constant" and o.lr_warmup >= t.rounds:
-        _fail(
-            "outer.lr_warmup",
-            o.lr_warmup,
-            f"must be < train.rounds={t.rounds} (the outer learning rate decays until then)",
-        )
-    if o.algorithm == "noloco" and config.mesh.replica % o.group_size:
-        _fail(
-            "outer.group_size",
-            o.group_size,
-            f"must divide mesh.replica={config.mesh.replica} (replicas are dealt into groups)",
-        )
-    if o.algorithm in _DELAYED and o.delay >= t.rounds:
-        _fail(
-            "outer.delay",
-            o.delay,
-            f"must be < train.rounds={t.rounds} (a round's average is applied outer.delay "
-            "rounds later: none would arrive)",
-        )
-    if o.algorithm in ("streaming_diloco", "cocodc") and o.fragments > layers:
-        _fail(
-            "outer.fragments",
-            o.fragments,
-            f"must be <= model.n_layers={layers} (a fragment is whole transformer blocks)",
-        )
+        raise from_library(e) from None
 
 
 def _check_inner(i: InnerConfig) -> None:
@@ -227,16 +139,10 @@ def _check_inner(i: InnerConfig) -> None:
     _within("inner.b1", i.b1, 0, 1)
     _within("inner.b2", i.b2, 0, 1)
     _at_least("inner.warmup_steps", i.warmup_steps, 0)
-    if i.schedule not in SCHEDULES:
-        _fail("inner.schedule", i.schedule, f"must be one of {SCHEDULES}")
 
 
 def _check_model(m: ModelConfig) -> int:
     """The model's fields against its preset; returns its resolved ``n_layers``."""
-    if m.preset not in model_lib.PRESETS:
-        _fail("model.preset", m.preset, f"must be one of {CHOICES['model.preset']}")
-    if m.dtype not in MODEL_DTYPES:
-        _fail("model.dtype", m.dtype, f"must be one of {MODEL_DTYPES}")
     base, dims = model_lib.PRESETS[m.preset], {}
     for name in ("d_model", "n_layers", "n_heads", "d_ff"):
         value = getattr(m, name)
@@ -253,16 +159,12 @@ def _check_model(m: ModelConfig) -> int:
 
 
 def _check_data(d: DataConfig) -> None:
-    if d.kind not in DATA_KINDS:
-        _fail("data.kind", d.kind, f"must be one of {DATA_KINDS}")
     if d.kind in ("text", "tokens") and not d.path:
         _fail("data.path", d.path, f"is required for data.kind={d.kind!r}")
     if d.kind in ("markov", "stdlib") and d.path is not None:
         _fail(
             "data.path", d.path, f"ignored unless data.kind is 'text' or 'tokens' (here {d.kind!r})"
         )
-    if d.token_dtype not in TOKEN_DTYPES:
-        _fail("data.token_dtype", d.token_dtype, f"must be one of {TOKEN_DTYPES}")
     if d.kind != "tokens" and d.token_dtype != DataConfig.token_dtype:
         _fail(
             "data.token_dtype",
@@ -296,8 +198,8 @@ def _check_run(config: Config) -> None:
         _fail("name", name, "must be a plain directory name (the run writes to log.dir/<name>)")
 
 
-def _check_mesh(config: Config, device_count: int | None) -> None:
-    m, batch = config.mesh, config.data.batch
+def _check_mesh(config: Config) -> None:
+    m = config.mesh
     if m.replica < 1:
         _fail("mesh.replica", m.replica, "must be >= 1 (-1 fills only mesh.data or mesh.model)")
     for key, size in (("mesh.data", m.data), ("mesh.model", m.model)):
@@ -305,20 +207,30 @@ def _check_mesh(config: Config, device_count: int | None) -> None:
             _fail(key, size, "must be >= 1 or -1 (fill)")
     if m.data == -1 and m.model == -1:
         _fail("mesh.model", m.model, "at most one mesh size may be -1 (mesh.data is -1 too)")
-    data = m.data
-    if device_count is not None:
-        fixed = math.prod(s for s in (m.replica, m.data, m.model) if s != -1)
-        fill = -1 in (m.data, m.model)
-        if device_count % fixed or (not fill and fixed != device_count):
-            sizes = {"mesh.replica": m.replica, "mesh.data": m.data, "mesh.model": m.model}
-            default = dataclasses.asdict(MeshConfig())
-            key = next((k for k, v in sizes.items() if v != default[k[5:]]), "mesh.replica")
-            shown = " x ".join(f"{k}={v}" for k, v in sizes.items())
-            _fail(key, sizes[key], f"{shown} does not fit {device_count} devices")
-        if data == -1:
-            data = device_count // fixed
-    if data > 0 and batch % data:
-        _fail("data.batch", batch, f"must be a multiple of mesh.data={data}")
+    _check_batch(config, m.data)
+
+
+def _check_batch(config: Config, data: int) -> None:
+    if data > 0 and config.data.batch % data:
+        _fail("data.batch", config.data.batch, f"must be a multiple of mesh.data={data}")
+
+
+def check_devices(config: Config, device_count: int) -> Config:
+    """Checks that a validated config's mesh fits ``device_count`` devices (a size of -1
+    filled with those left, and ``data.batch`` split over the filled ``mesh.data``); returns
+    ``config``. Raises :class:`ConfigError` naming the mesh size the user set."""
+    m = config.mesh
+    fixed = math.prod(s for s in (m.replica, m.data, m.model) if s != -1)
+    fill = -1 in (m.data, m.model)
+    if device_count % fixed or (not fill and fixed != device_count):
+        sizes = {"mesh.replica": m.replica, "mesh.data": m.data, "mesh.model": m.model}
+        default = dataclasses.asdict(MeshConfig())
+        key = next((k for k, v in sizes.items() if v != default[k[5:]]), "mesh.replica")
+        shown = " x ".join(f"{k}={v}" for k, v in sizes.items())
+        _fail(key, sizes[key], f"{shown} does not fit {device_count} devices")
+    if m.data == -1:
+        _check_batch(config, device_count // fixed)
+    return config
 
 
 def data_bytes(config: Config) -> int:
@@ -374,14 +286,17 @@ def _check_memory(config: Config) -> None:
 
 def validate(config: Config, device_count: int | None = None) -> Config:
     """Checks every setting before anything is built, compiled or written; returns ``config``.
+    A run calls it once, where its config is loaded (:func:`load`; a sweep: every row's
+    before the first starts); nothing after it validates again.
 
     Raises :class:`ConfigError` naming the first bad field as it is overridden: a wrong type,
-    a non-finite float, a value out of range, a setting the run would ignore (another
-    algorithm's or data kind's field), a cross-field rule (``outer.tau`` against ``H // P``,
-    ``outer.delay`` against ``train.rounds``, ``outer.fragments`` against the model's layers,
-    ``data.batch`` against ``mesh.data``), or data buffers larger than the host's memory
-    (:func:`data_bytes`, :func:`host_memory`). ``device_count``, when given, also checks that
-    the mesh fits the devices. A sweep calls it for every run before the first one starts.
+    a non-finite float, a value out of range or not among its choices, the outer algorithm's
+    own checks (:meth:`co2jax.algorithms.settings.Settings.validate`: ``outer.tau`` against
+    ``H // P``, ``outer.delay`` against ``train.rounds``, ``outer.fragments`` against the
+    model's layers, ...), a setting the run would ignore (another data kind's field), a
+    cross-field rule (``data.batch`` against ``mesh.data``), or data buffers larger than the
+    host's memory (:func:`data_bytes`, :func:`host_memory`). ``device_count``, when given,
+    also checks that the mesh fits the devices (:func:`check_devices`).
     """
     _check_types(config)
     _check_train(config.train)
@@ -390,8 +305,10 @@ def validate(config: Config, device_count: int | None = None) -> Config:
     _check_inner(config.inner)
     _check_data(config.data)
     _check_run(config)
-    _check_mesh(config, device_count)
+    _check_mesh(config)
     _check_memory(config)
+    if device_count is not None:
+        check_devices(config, device_count)
     return config
 
 

@@ -111,14 +111,12 @@ def _one_line(error: BaseException, limit: int = 300) -> str:
 
 
 def _outer_hyper(cfg: config_lib.Config) -> dict:
-    """The outer algorithm's fields that differ from the library's defaults (and its name),
-    less those only other settings read (:func:`experiments.checks.reads`)."""
-    default = dataclasses.asdict(registry.OuterConfig())
-    reads = checks.reads(cfg.outer)
+    """The outer algorithm's name and its settings that differ from their defaults."""
+    default = dataclasses.asdict(registry.settings(cfg.outer.algorithm))
     return {
         k: v
         for k, v in dataclasses.asdict(cfg.outer).items()
-        if k == "algorithm" or (v != default[k] and reads.get(k, (True,))[0])
+        if k == "algorithm" or v != default[k]
     }
 
 
@@ -190,7 +188,7 @@ def _refused(error: ValueError, overrides: Sequence[str], command_line=()) -> st
 
 def run_one(cfg: config_lib.Config, run_dir: Path) -> dict:
     """Trains one run of one row: ``{"history": [...], "entropy_rate": float | None}``."""
-    result = train.train(cfg, out_dir=str(run_dir))
+    result = train.train_validated(cfg, out_dir=str(run_dir))  # validated by plan_sweep
     return {"history": result.history, "entropy_rate": result.entropy_rate}
 
 
@@ -302,7 +300,7 @@ def run_sweep(
     the rest "not run") is written and the interrupt re-raised.
     """
     out = Path(out)
-    train._setup_devices(base)  # before the first device query starts JAX's backend
+    train.setup_devices(base)  # before the first device query starts JAX's backend
     import jax
 
     plan = plan_sweep(base, out, sweep, seeds, jax.device_count(), fixes, command_line)

@@ -1,87 +1,100 @@
-"""Typed, frozen run configs: presets and dotted command-line overrides.
+"""Typed, frozen run configs: presets, dotted command-line overrides and config files.
 
-A run is one :class:`Config`: model, data, mesh, inner optimizer, outer algorithm (the
-library's :class:`co2jax.algorithms.registry.OuterConfig`, whose names and checks come from the
-algorithm registry), schedule, evaluation, checkpointing and logging. Presets are functions
-returning a Config; overrides such as ``outer.learning_rate=0.7 mesh.replica=4`` are applied
-by :func:`override`. A refused setting raises :class:`ConfigError`, naming the field as it is
-overridden (``outer.topk=0: must be >= 1``). The checks of every field, before anything is
-built, compiled or written, are in :mod:`experiments.checks` (``validate``, ``load``,
-``check_paths``).
+A run is one :class:`Config`: model, data, mesh, inner optimizer, outer algorithm, schedule,
+evaluation, checkpointing and logging. Its ``outer`` section is the chosen algorithm's own
+settings class (:mod:`co2jax.algorithms.registry`): ``outer.algorithm=co2`` makes it
+:class:`co2jax.algorithms.co2.CO2Settings`, so a setting the algorithm does not declare
+cannot be set. Every field has a type, a default and a one-line description (``--help``).
+
+Presets are functions returning a Config; overrides such as ``outer.learning_rate=0.7
+mesh.replica=4`` are applied by :func:`override`, a YAML or JSON file by :func:`merge`
+(``--config FILE``; :func:`to_json` writes one back). ``outer.algorithm`` is applied before the
+other overrides, whatever their order, and keeps the settings of the previous algorithm that
+the new one also has and that differ from their defaults. A refused setting raises
+:class:`ConfigError`, naming the field as it is overridden (``outer.topk=0: must be >= 1``).
+Whether the values are valid is checked once, where a run's config is loaded
+(:func:`experiments.checks.validate`).
 
 Example:
-  >>> cfg = override(preset("cpu-tiny"), ["outer.algorithm=co2", "train.rounds=3"])
-  >>> cfg.outer.algorithm, cfg.train.rounds, cfg.mesh.replica
-  ('co2', 3, 4)
+  >>> cfg = override(preset("cpu-tiny"), ["train.rounds=3", "outer.algorithm=co2"])
+  >>> type(cfg.outer).__name__, cfg.train.rounds, cfg.mesh.replica
+  ('CO2Settings', 3, 4)
+  >>> override(cfg, ["outer.delay=2"])
+  Traceback (most recent call last):
+  ...
+  experiments.config.ConfigError: outer.delay: co2 has no such setting (a setting of ...)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import json
 import math
+import re
 import types
 import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from co2jax.algorithms import registry
-from co2jax.algorithms.registry import OuterConfig
-from co2jax.kernels.api import IMPLEMENTATIONS
+from co2jax.algorithms.settings import setting
 from experiments import model as model_lib
 
 ALGORITHMS = registry.NAMES  # the library's algorithm registry
+DEFAULT_ALGORITHM = "diloco"
 DATA_KINDS = ("markov", "text", "stdlib", "tokens")
 SCHEDULES = ("constant", "cosine")
 TOKEN_DTYPES = ("uint16", "uint32")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")  # experiments.model's compute dtypes
-CHOICES = {
-    "model.preset": tuple(model_lib.PRESETS),
-    "model.dtype": MODEL_DTYPES,
-    "data.kind": DATA_KINDS,
-    "data.token_dtype": TOKEN_DTYPES,
-    "inner.schedule": SCHEDULES,
-    "outer.algorithm": ALGORITHMS,
-    "outer.penalty": registry.PENALTIES,
-    "outer.mode": registry.MODES,
-    "outer.implementation": IMPLEMENTATIONS,
-    "outer.compression": registry.COMPRESSIONS,
-    "outer.collective": registry.COLLECTIVES,
-}
-"""The string fields with a fixed set of values."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    preset: str = "tiny"
-    d_model: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    d_ff: int | None = None
-    dtype: str = "float32"
+    """The transformer (experiments.model)."""
+
+    preset: str = setting(
+        "tiny", "the model's size: its preset's dimensions", tuple(model_lib.PRESETS)
+    )
+    d_model: int | None = setting(None, "the residual width (none: the preset's)")
+    n_layers: int | None = setting(None, "transformer blocks (none: the preset's)")
+    n_heads: int | None = setting(None, "attention heads (none: the preset's)")
+    d_ff: int | None = setting(None, "the MLP's hidden width (none: the preset's)")
+    dtype: str = setting(
+        "float32", "the compute dtype of matmuls and activations (parameters float32)",
+        MODEL_DTYPES,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    kind: str = "markov"
-    path: str | None = None  # text: file, directory or glob; tokens: a .bin file
-    vocab_size: int = 64  # markov: alphabet size; tokens: the tokenizer's vocabulary
-    branching: int = 4  # markov: next-token choices per state
-    token_dtype: str = "uint16"
-    max_bytes: int = 20_000_000  # stdlib / text: cap on the corpus size
-    iid: bool = True  # False: replica r draws from its own source / partition
-    batch: int = 8  # sequences per replica per inner step (split over the data axis)
-    seq_len: int = 64
-    seed: int = 0
+    """The token source and the batches (experiments.data)."""
+
+    kind: str = setting(
+        "markov", "markov: synthetic, built in; text/stdlib: bytes of files or of Python's "
+        "standard library; tokens: a .bin token file", DATA_KINDS,
+    )  # fmt: skip
+    path: str | None = setting(None, "text: a file, directory or glob; tokens: a .bin file")
+    vocab_size: int = setting(64, "markov: alphabet size; tokens: the tokenizer's vocabulary")
+    branching: int = setting(4, "markov: next-token choices per state")
+    token_dtype: str = setting("uint16", "tokens: the token file's integer type", TOKEN_DTYPES)
+    max_bytes: int = setting(20_000_000, "text/stdlib: cap on the corpus size in bytes")
+    iid: bool = setting(True, "false: replica r draws from its own source or partition")
+    batch: int = setting(8, "sequences per replica per inner step (split over mesh.data)")
+    seq_len: int = setting(64, "tokens per sequence")
+    seed: int = setting(0, "the data's seed")
 
 
 @dataclass(frozen=True)
 class MeshConfig:
-    replica: int = 4
-    data: int = 2
-    model: int = 1
+    """The device mesh: replicas x data x model (co2jax.make_mesh)."""
+
+    replica: int = setting(4, "R, the replicas (each takes its own inner steps)")
+    data: int = setting(2, "devices splitting a replica's batch (-1: the devices left)")
+    model: int = setting(1, "devices splitting a replica's model, tensor parallel (-1: fill)")
 
     @property
     def devices(self) -> int | None:
@@ -92,54 +105,74 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class InnerConfig:
-    learning_rate: float = 3e-3
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    warmup_steps: int = 20
-    schedule: str = "cosine"
+    """The inner optimizer: AdamW on each replica."""
+
+    learning_rate: float = setting(3e-3, "AdamW's peak learning rate")
+    weight_decay: float = setting(0.1, "AdamW's decoupled weight decay")
+    b1: float = setting(0.9, "AdamW's first-moment decay, in [0, 1)")
+    b2: float = setting(0.95, "AdamW's second-moment decay, in [0, 1)")
+    warmup_steps: int = setting(20, "inner steps of linear learning-rate warm-up")
+    schedule: str = setting(
+        "cosine", "after the warm-up: cosine decays to 0.1x by the last step", SCHEDULES
+    )
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    rounds: int = 20
-    sync_every: int = 16
-    seed: int = 0
-    max_skipped: int = 3  # rounds in a row skipped by outer.skip_nonfinite before the run stops
-    # inside a replica: split the outer state over data (1/D), and with fsdp the parameters
-    # and inner state too (tensor parallelism comes from mesh.model and the model's axes)
-    shard_outer_state: bool = False
-    fsdp: bool = False
+    """Rounds, H and the layout inside a replica."""
+
+    rounds: int = setting(20, "outer rounds, each H inner steps")
+    sync_every: int = setting(16, "H, the inner steps of a round")
+    seed: int = setting(0, "the parameters' seed")
+    max_skipped: int = setting(
+        3, "rounds in a row skipped by outer.skip_nonfinite before the run stops"
+    )
+    shard_outer_state: bool = setting(
+        False, "split the outer state over mesh.data inside a replica (1/D per device)"
+    )
+    fsdp: bool = setting(False, "split the parameters and inner state over mesh.data too")
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    every: int = 5  # rounds
-    batch: int = 64
+    """Held-out evaluation."""
+
+    every: int = setting(5, "rounds between evaluations (0: after the last round only)")
+    batch: int = setting(64, "held-out sequences per evaluation")
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    dir: str | None = None
-    every: int = 10  # rounds
-    keep: int = 2
+    """Orbax checkpoints at round boundaries."""
+
+    dir: str | None = setting(None, "where checkpoints go (none: no checkpoints)")
+    every: int = setting(10, "rounds between checkpoints")
+    keep: int = setting(2, "checkpoints kept")
 
 
 @dataclass(frozen=True)
 class LogConfig:
-    dir: str = "runs"
-    tensorboard: bool = True
-    progress: bool = True
+    """Metrics, TensorBoard and progress."""
+
+    dir: str = setting("runs", "where runs go: a run writes log.dir/<name>")
+    tensorboard: bool = setting(True, "write TensorBoard event files")
+    progress: bool = setting(True, "show a progress bar")
+
+
+def _default_outer() -> registry.Settings:
+    return registry.settings(DEFAULT_ALGORITHM)
 
 
 @dataclass(frozen=True)
 class Config:
-    name: str = "run"
+    """A run."""
+
+    name: str = setting("run", "the run's name: its directory under log.dir")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
-    outer: OuterConfig = field(default_factory=OuterConfig)
+    outer: registry.Settings = field(default_factory=_default_outer)  # the chosen algorithm's
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -238,7 +271,7 @@ class ConfigError(ValueError):
     """
 
     def __init__(self, key: str, why: str, *value: Any):
-        self.key, self.why = key, why.replace("\n", " ")
+        self.key, self.why, self.value = key, why.replace("\n", " "), value
         head = f"{key}={value[0]!r}" if value else key
         super().__init__(f"{head}: {self.why}")
 
@@ -249,12 +282,26 @@ class ConfigError(ValueError):
                 return f"{item.strip()}: {self.why}"
         return str(self)
 
+    def within(self, where: str) -> ConfigError:
+        """The same error, saying where the setting came from (a config file)."""
+        return ConfigError(self.key, f"{self.why} (in {where})", *self.value)
+
+
+def from_library(error: ValueError) -> ConfigError:
+    """The library's one-line ``outer.name=value: why`` ValueError as a ConfigError, its
+    message kept."""
+    message = str(error).replace("\n", " ")
+    head, _, why = message.partition(": ")
+    out = ConfigError(head.split("=", 1)[0], why or message)
+    out.args = (message,)
+    return out
+
 
 # ---------------------------------------------------------------------------------------------
-# overrides
+# fields
 
 
-def _hint(annotation: Any) -> tuple[Any, bool]:
+def field_type(annotation: Any) -> tuple[Any, bool]:
     """``(type, accepts None)`` of a field annotation (int, float, bool, str, or X | None)."""
     hint = annotation
     if isinstance(hint, str):
@@ -264,9 +311,38 @@ def _hint(annotation: Any) -> tuple[Any, bool]:
     return hint, False
 
 
+def leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    """``(dotted name, field, value)`` of every setting, in declaration order."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f, value
+
+
+def _choices() -> dict[str, tuple]:
+    out = {}
+    configs = [Config(), *(Config(outer=registry.settings(name)) for name in ALGORITHMS)]
+    for config in configs:
+        for key, f, _ in leaves(config):
+            if f.metadata.get("choices") is not None:
+                out[key] = f.metadata["choices"]
+    out["outer.algorithm"] = ALGORITHMS
+    return out
+
+
+CHOICES = _choices()
+"""The string fields with a fixed set of values (``outer.*``: of any algorithm)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# overrides and config files
+
+
 def _convert(text: str, annotation: Any, key: str) -> Any:
     """Parses ``text`` as the annotated type (int, float, bool, str, or X | None)."""
-    hint, optional = _hint(annotation)
+    hint, optional = field_type(annotation)
     if optional and text.lower() in ("none", "null"):
         return None
     try:
@@ -280,20 +356,80 @@ def _convert(text: str, annotation: Any, key: str) -> Any:
         raise ConfigError(key, f"expected {kind}", text) from None
 
 
-def override(config: Config, items: list[str]) -> Config:
-    """Applies dotted overrides like ``["outer.learning_rate=0.7", "mesh.replica=2"]``."""
+def _value(value: Any, annotation: Any, key: str) -> Any:
+    """A value from the command line (text, parsed) or a file (kept: :func:`experiments.
+    checks.validate` checks its type; an int where a float goes becomes that float)."""
+    if isinstance(value, str):
+        return _convert(value, annotation, key)
+    hint, _ = field_type(annotation)
+    if hint is float and type(value) is int:
+        return float(value)
+    return value
+
+
+def with_algorithm(config: Config, algorithm: Any) -> Config:
+    """``config`` with ``outer`` the settings of ``algorithm``: the previous algorithm's
+    settings that this one also has and that differ from their defaults are kept."""
+    if algorithm not in registry.REGISTRY:
+        raise ConfigError("outer.algorithm", f"must be one of {ALGORITHMS}", algorithm)
+    old = config.outer
+    if old.algorithm == algorithm:
+        return config
+    cls = registry.REGISTRY[algorithm].settings
+    names = {f.name for f in dataclasses.fields(cls)} - {"algorithm"}
+    kept = {
+        f.name: getattr(old, f.name)
+        for f in dataclasses.fields(old)
+        if f.name in names and getattr(old, f.name) != f.default
+    }
+    return dataclasses.replace(config, outer=cls(**kept))
+
+
+def override(config: Config, items: Sequence[str]) -> Config:
+    """Applies dotted overrides like ``["outer.learning_rate=0.7", "mesh.replica=2"]``;
+    ``outer.algorithm=`` first, whatever its place (the other ``outer.*`` are its settings)."""
+    parsed = []
     for item in items:
         if "=" not in item:
             raise ConfigError(item.strip(), "an override must look like section.field=value")
         key, text = item.split("=", 1)
-        key = key.strip()
-        config = _set(config, key.split("."), text.strip(), key)
+        parsed.append((key.strip(), text.strip()))
+    for key, text in parsed:
+        if key == "outer.algorithm":
+            config = with_algorithm(config, text)
+    for key, text in parsed:
+        if key != "outer.algorithm":
+            config = _set(config, key.split("."), text, key)
     return config
 
 
-def _set(node: Any, parts: list[str], text: str, key: str, where: str = "") -> Any:
+def merge(config: Config, tree: Any, where: str = "the config") -> Config:
+    """Sets the fields of a nested mapping (a config file, :func:`to_dict`'s output) on
+    ``config``, ``outer.algorithm`` first; a field left out keeps ``config``'s value."""
+    if not isinstance(tree, dict):
+        raise ConfigError(where, "must be a mapping of sections to their fields")
+    outer = tree.get("outer")
+    if isinstance(outer, dict) and "algorithm" in outer:
+        config = with_algorithm(config, outer["algorithm"])
+    for key, value in _flatten(tree):
+        if key != "outer.algorithm":
+            config = _set(config, key.split("."), value, key)
+    return config
+
+
+def _flatten(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", value
+
+
+def _set(node: Any, parts: list[str], value: Any, key: str, where: str = "") -> Any:
     names = {f.name: f for f in dataclasses.fields(node)}
     if parts[0] not in names:
+        if isinstance(node, registry.Settings):
+            raise ConfigError(key, registry.unknown(node.algorithm, parts[0]))
         near = difflib.get_close_matches(parts[0], names, n=1)
         hint = f"; did you mean {where}{near[0]}?" if near else ""
         known = ", ".join(sorted(names))
@@ -307,34 +443,40 @@ def _set(node: Any, parts: list[str], text: str, key: str, where: str = "") -> A
             raise ConfigError(
                 key, f"{key!r} is a section; set one of its fields ({key}.{first}=...)"
             )
-        return dataclasses.replace(node, **{f.name: _convert(text, f.type, key)})
+        return dataclasses.replace(node, **{f.name: _value(value, f.type, key)})
     if not dataclasses.is_dataclass(current):
         raise ConfigError(key, f"unknown config field {key!r} ({where}{f.name} has no fields)")
-    value = _set(current, parts[1:], text, key, f"{where}{f.name}.")
+    value = _set(current, parts[1:], value, key, f"{where}{f.name}.")
     return dataclasses.replace(node, **{f.name: value})
 
 
-def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any]]:
-    """``(dotted name, field, value)`` of every setting, in declaration order."""
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from _leaves(value, f"{prefix}{f.name}.")
-        else:
-            yield f"{prefix}{f.name}", f, value
+def read_file(path: str) -> dict:
+    """A config file's mapping: YAML (``.yaml``, ``.yml``, or any other name) or JSON
+    (``.json``); PyYAML comes with flax."""
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError("--config", f"cannot be read ({e.strerror})", path) from None
+    try:
+        tree = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as e:
+        first = " ".join(str(e).split())[:200]
+        raise ConfigError(
+            "--config",
+            f"is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {first}",
+            path,
+        ) from None
+    return {} if tree is None else tree
 
 
-def describe() -> str:
-    """Every config field with its type and default, for ``--help`` (a preset changes some)."""
-    lines = [
-        "config fields, set as section.field=value (the config classes' defaults: a preset",
-        "changes some, --print-config shows the resolved config):",
-    ]
-    for key, f, default in _leaves(Config()):
-        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        choices = f"  one of: {', '.join(CHOICES[key])}" if key in CHOICES else ""
-        lines.append(f"  {key:<26} {kind:<13} {default!r}{choices}")
-    return "\n".join(lines)
+def from_file(config: Config, path: str) -> Config:
+    """``config`` with the file at ``path`` merged on top (:func:`merge`)."""
+    try:
+        return merge(config, read_file(path), path)
+    except ConfigError as e:
+        raise (e if e.key == "--config" else e.within(path)) from None
 
 
 def to_dict(config: Config) -> dict:
@@ -345,31 +487,68 @@ def to_json(config: Config) -> str:
     return json.dumps(to_dict(config), indent=2, sort_keys=True)
 
 
-SECTIONS = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "mesh": MeshConfig,
-    "inner": InnerConfig,
-    "outer": OuterConfig,
-    "train": TrainConfig,
-    "eval": EvalConfig,
-    "checkpoint": CheckpointConfig,
-    "log": LogConfig,
-}
-
-
 def from_dict(d: dict) -> Config:
     """The inverse of :func:`to_dict` (e.g. for a saved ``config.json``)."""
-    kwargs: dict[str, Any] = {}
-    for key, value in d.items():
-        if key == "name":
-            kwargs[key] = value
-        elif key in SECTIONS:
-            known = {f.name for f in dataclasses.fields(SECTIONS[key])}
-            for name in value:
-                if name not in known:
-                    raise ConfigError(f"{key}.{name}", "unknown config field")
-            kwargs[key] = SECTIONS[key](**value)
-        else:
-            raise ConfigError(key, f"unknown config field {key!r}")
-    return Config(**kwargs)
+    return merge(Config(), d)
+
+
+# ---------------------------------------------------------------------------------------------
+# --help
+
+
+def _line(key: str, f: dataclasses.Field, default: Any) -> str:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    choices = f.metadata.get("choices")
+    if key == "outer.algorithm":
+        choices = ("the algorithms listed last",)
+    one_of = f" (one of: {', '.join(map(str, choices))})" if choices else ""
+    return f"  {key:<26} {kind:<13} {default!r:<12} {f.metadata.get('help', '')}{one_of}"
+
+
+def _groups(settings: registry.Settings) -> list[tuple[str, list[dataclasses.Field]]]:
+    """``settings``' fields by the piece that brings them: the algorithm's own first (its
+    name leading), then each shared piece it is made of, with the piece's description."""
+    cls, placed, out = type(settings), set(), []
+    own = [f for f in dataclasses.fields(cls) if f.name in inspect.get_annotations(cls)]
+    own.sort(key=lambda f: f.name != "algorithm")
+    for piece, fields in [(cls, own), *((b, dataclasses.fields(b)) for b in cls.__bases__)]:
+        fields = [f for f in fields if f.name not in placed]
+        if fields:
+            title = " ".join((piece.__doc__ or piece.__name__).strip().split("\n\n")[0].split())
+            out.append((re.sub(r":\w+:`~?([^`]*)`|``([^`]*)``", r"\1\2", title), fields))
+            placed.update(f.name for f in fields)
+    return out
+
+
+def describe(algorithm: str = DEFAULT_ALGORITHM) -> str:
+    """Every config field with its type, default and description, by section, for
+    ``--help``; under ``outer`` only ``algorithm``'s settings, grouped by the piece that
+    declares them (a preset changes some defaults)."""
+    config = with_algorithm(Config(), algorithm)
+    lines = [
+        "config fields, set as section.field=value or in a --config file (YAML or JSON); the",
+        "defaults shown are the config classes' (a preset changes some; --print-config shows",
+        "the resolved config):",
+    ]
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if not dataclasses.is_dataclass(value):
+            lines.append(_line(f.name, f, value))
+            continue
+        if f.name != "outer":
+            lines.append(f"\n{f.name}: {type(value).__doc__}")
+            lines += [
+                _line(f"{f.name}.{g.name}", g, getattr(value, g.name))
+                for g in dataclasses.fields(value)
+            ]
+            continue
+        lines.append(
+            f"\nouter: {algorithm}'s settings ({registry.REGISTRY[algorithm].summary}); "
+            "--help outer.algorithm=NAME shows another algorithm's"
+        )
+        for title, fields in _groups(value):
+            lines.append(f"  # {title}")
+            lines += [_line(f"outer.{g.name}", g, getattr(value, g.name)) for g in fields]
+    lines.append("\nalgorithms (outer.algorithm=NAME):")
+    lines += [f"  {name:<18} {registry.REGISTRY[name].summary}" for name in ALGORITHMS]
+    return "\n".join(lines)

@@ -279,7 +279,8 @@ def write_report(
         "## Rows",
         "",
         "Each row's overrides of the sweep's base config and its outer hyper-parameters that "
-        "differ from `co2jax.registry.OuterConfig`'s defaults; the linked `config.json` is the "
+        "differ from its settings' defaults (`co2jax.algorithms.registry`); the linked "
+        "`config.json` is the "
         "whole resolved config, `hash` its content hash (a finished run with the same hash is "
         "reused).",
         "",

@@ -157,13 +157,13 @@ def _plan(algorithm: str, H: int, fragments: int, tau: int, group_size: int, R: 
     schedule (built on stand-in parameters, one leaf per fragment), its reducer's reach, and
     whether its inner transform communicates every step (traced, nothing run)."""
     leaves = {f"layer{i}": jax.ShapeDtypeStruct((8,), jnp.float32) for i in range(fragments)}
-    config = registry.OuterConfig(
-        algorithm=algorithm, fragments=fragments, tau=tau, group_size=group_size
-    )
+    given = {"fragments": fragments, "tau": tau, "group_size": group_size}
+    names = {f.name for f in dataclasses.fields(registry.REGISTRY[algorithm].settings)}
+    settings = registry.settings(algorithm, **{k: v for k, v in given.items() if k in names})
     context = registry.Context(H, leaves, 0.1, num_replicas=R)
-    outer = registry.build(config, context)
+    outer = registry.build(settings, context)
     mesh = co2jax.make_mesh(replica=1, data=1, devices=jax.devices()[:1])
-    inner = registry.inner(config, optax.sgd(0.1), 0.1)
+    inner = registry.inner(settings, optax.sgd(0.1), 0.1)
     try:
         jobstate.check_inner_is_local(inner, leaves, mesh, co2jax.REPLICA)
         every_step = False
@@ -220,9 +220,10 @@ def summarise(label, cfg, history, entropy, link, run_s) -> dict:
     step_s = float(np.median(steady)) / H  # round 1 includes compilation
     per_round = history[-1]["bytes_total"] / len(history)
     # payload bytes per reduction, from the ring traffic 2(R-1)/R * N per replica
-    _, reach, every_step = _plan(
-        cfg.outer.algorithm, H, cfg.outer.fragments, cfg.outer.tau, cfg.outer.group_size, R
-    )
+    o = cfg.outer
+    fragments, tau = getattr(o, "fragments", 1), getattr(o, "tau", 0)
+    group_size = getattr(o, "group_size", 2)
+    _, reach, every_step = _plan(o.algorithm, H, fragments, tau, group_size, R)
     reductions = H if every_step else 1
     payload = per_round / reductions / (2 * (R - 1) / R) if R > 1 else 0.0
     if reach == "group":
@@ -234,9 +235,9 @@ def summarise(label, cfg, history, entropy, link, run_s) -> dict:
         payload,
         R,
         link,
-        cfg.outer.fragments,
-        cfg.outer.tau,
-        group_size=cfg.outer.group_size,
+        fragments,
+        tau,
+        group_size=group_size,
     )
     evals = [(r["tokens"], r["eval_loss"]) for r in history if "eval_loss" in r]
     return {

@@ -41,7 +41,7 @@ from experiments import model as model_lib
 from experiments.rundir import Diverged, Interrupted, RunError
 
 
-def _setup_devices(cfg: config_lib.Config) -> None:
+def setup_devices(cfg: config_lib.Config) -> None:
     """On CPU, emulate as many devices as the mesh needs (before JAX starts a backend:
     importing JAX, co2jax and the experiment modules starts none)."""
     if (jax.config.jax_platforms or "cpu") == "cpu" and jax.config.jax_num_cpu_devices < 1:
@@ -61,14 +61,15 @@ class Run(NamedTuple):
 
 
 def build_outer(
-    o: config_lib.OuterConfig,
+    o: registry.Settings,
     sync_every: int,
     schedule,
     params=None,
     num_replicas=None,
     rounds: int | None = None,
 ):
-    """The outer algorithm from the library's registry (:mod:`co2jax.algorithms.registry`).
+    """The outer algorithm ``o`` names (its settings, validated where the config was loaded:
+    :mod:`co2jax.algorithms.registry`).
 
     ``params`` (the model's parameters or their shapes) is needed for Streaming DiLoCo's
     fragments: strided over the transformer blocks, embeddings in fragment 0, the rest last.
@@ -119,19 +120,23 @@ def shared_programs():
         _SHARED = outer
 
 
-def _lr_in_state(o: config_lib.OuterConfig) -> bool:
+def _lr_in_state(o: registry.Settings) -> bool:
     """Whether the outer learning rate is a value in the state, not in the program (a
     constant: a schedule's values are computed in the program)."""
+    if not isinstance(o, registry.OuterStep):
+        return False
     return o.lr_in_state and o.lr_schedule == "constant" and o.lr_warmup == 0
 
 
 def _programs_key(cfg: config_lib.Config) -> str:
-    lr = 0.0 if _lr_in_state(cfg.outer) else cfg.outer.learning_rate
+    outer = cfg.outer
+    if _lr_in_state(outer):
+        outer = dataclasses.replace(outer, learning_rate=0.0)
     same = dataclasses.replace(
         cfg,
         name="",
         train=dataclasses.replace(cfg.train, seed=0),
-        outer=dataclasses.replace(cfg.outer, learning_rate=lr),
+        outer=outer,
         log=config_lib.Config().log,
         checkpoint=config_lib.Config().checkpoint,
     )
@@ -154,9 +159,15 @@ def _with_outer_lr(state, cfg: config_lib.Config):
 
 
 def build(cfg: config_lib.Config) -> Run:
-    """Everything a run needs; raises ValueError for a bad config before compiling."""
-    _setup_devices(cfg)
-    checks.validate(cfg, jax.device_count())
+    """Everything a run needs; validates ``cfg`` first (:func:`experiments.checks.validate`,
+    a :class:`~experiments.config.ConfigError` before anything compiles)."""
+    return _build(checks.validate(cfg))
+
+
+def _build(cfg: config_lib.Config) -> Run:
+    """:func:`build` of a validated config (the mesh is checked against the devices)."""
+    setup_devices(cfg)
+    checks.check_devices(cfg, jax.device_count())
     # the persistent cache off where it is unsafe (multi-device CPU)
     compilation_cache.guard(jax.devices()[: cfg.mesh.devices], disable=True)
     key = _programs_key(cfg) if _SHARED is not None else None
@@ -212,7 +223,7 @@ def _build_programs(cfg: config_lib.Config) -> tuple[_Programs, Any]:
     outer = build_outer(cfg.outer, t.sync_every, schedule, params, rounds=t.rounds)
     mesh = co2jax.make_mesh(cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model)
     # Pallas' interpreter is not typed for shard_map's varying-axis check (docs/kernels.md)
-    check_vma = cfg.outer.implementation != "interpret"
+    check_vma = getattr(cfg.outer, "implementation", "auto") != "interpret"
     layout = dict(shard_outer_state=t.shard_outer_state, fsdp=t.fsdp)  # TP: mesh.model
     specs = model_lib.partition_specs(params)
     trainer = co2jax.RoundTrainer(
@@ -233,7 +244,14 @@ class Result(NamedTuple):
     entropy_rate: float | None  # the data's entropy floor (nats/token), None for real text
 
 
-def train(
+def train(cfg: config_lib.Config, **options: Any) -> Result:
+    """Validates ``cfg`` (:func:`experiments.checks.validate`: a
+    :class:`~experiments.config.ConfigError` before anything is written) and runs it
+    (:func:`train_validated`, which takes the same ``options``)."""
+    return train_validated(checks.validate(cfg), **options)
+
+
+def train_validated(
     cfg: config_lib.Config,
     *,
     resume: bool = False,
@@ -241,7 +259,8 @@ def train(
     out_dir: str | None = None,
     stop_after: int | None = None,
 ) -> Result:
-    """Runs ``cfg``; returns the per-round records and the final state.
+    """Runs ``cfg``, validated where it was loaded (:func:`experiments.checks.load`, or a
+    sweep's plan); returns the per-round records and the final state.
 
     ``stop_after`` ends this invocation after that many rounds in total (as a job time limit
     would); a later ``resume=True`` run continues from the last checkpoint. Checkpoints are
@@ -256,9 +275,8 @@ def train(
     on every replica, or ``train.max_skipped`` rounds in a row skipped by the outer guard,
     stop the run (:class:`Diverged`)."""
     out = Path(out_dir or os.path.join(cfg.log.dir, cfg.name))
-    checks.validate(cfg)  # before claim, which may delete an old run (overwrite)
     rundir.claim(cfg, out, resume, overwrite)
-    run = build(cfg)
+    run = _build(cfg)
     trainer, streams, t = run.trainer, run.streams, cfg.train
 
     state, start = _with_outer_lr(trainer.init(run.params), cfg), 0
@@ -284,7 +302,7 @@ def train(
 
         progress = tqdm(total=t.rounds, initial=start, desc=cfg.name, unit="round")
     eval_fn, eval_batch = run.eval_fn
-    every_step = registry.REGISTRY[cfg.outer.algorithm].capabilities.every_step
+    every_step = registry.capabilities(cfg.outer.algorithm).every_step
     step_bytes = registry.REGISTRY[cfg.outer.algorithm].step_bytes
     consensus = round_stats.consensus()  # 0 unless replicas keep their own anchors
     # the inner lr at each round's end, evaluated once (op by op, a schedule costs a few
@@ -321,7 +339,9 @@ def train(
                     "tokens_per_s": tokens_per_round / seconds,
                     "inner_lr": float(inner_lrs[k]),
                     "skipped": round_stats.skipped(state),
-                    "clip_fraction": round_stats.clip_fraction(state, cfg.outer.clip_threshold),
+                    "clip_fraction": round_stats.clip_fraction(
+                        state, getattr(cfg.outer, "clip_threshold", None)
+                    ),
                     "penalty_scale": round_stats.penalty_scale(state),
                     "collective": "in the inner transform (every step)"
                     if every_step
@@ -369,17 +389,31 @@ def train(
     return Result(history, state, streams.entropy_rate)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m experiments.train [--preset P] [flags] section.field=value ...``.
+def _help_algorithm(argv: list[str]) -> str:
+    """The algorithm whose settings ``--help`` lists: the last ``outer.algorithm=`` typed."""
+    typed = [
+        a.split("=", 1)[1].strip()
+        for a in argv
+        if a.replace(" ", "").startswith("outer.algorithm=")
+    ]
+    known = [a for a in typed if a in registry.REGISTRY]
+    return known[-1] if known else config_lib.DEFAULT_ALGORITHM
 
-    The config is validated (:func:`experiments.checks.validate`, the mesh against the
-    devices, :func:`experiments.checks.check_paths`) before anything is written or compiled.
-    A refused config or run prints one line to stderr, ``error: <override>: <reason>`` with
-    the override as typed, and exits with status 2 (``--debug``: raises it instead).
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m experiments.train [--preset P] [--config FILE] [flags] section.field=value``.
+
+    The config (the preset, the file on top, the overrides on top of that) is validated once
+    (:func:`experiments.checks.load`), then the mesh against the devices and the paths
+    (:func:`experiments.checks.check_paths`), before anything is written or compiled. A
+    refused config or run prints one line to stderr, ``error: <override>: <reason>`` with the
+    override as typed, and exits with status 2 (``--debug``: raises it instead).
+    ``--help outer.algorithm=NAME`` lists that algorithm's settings.
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(
         description="co2jax pretraining run",
-        epilog=config_lib.describe(),
+        epilog=config_lib.describe(_help_algorithm(argv)),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -387,6 +421,12 @@ def main(argv: list[str] | None = None) -> None:
         default="cpu-tiny",
         choices=sorted(config_lib.PRESETS),
         help="the config the overrides start from (default: cpu-tiny)",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a YAML or JSON config (--print-config writes one) on top of the preset; the "
+        "overrides go on top of it",
     )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument(
@@ -404,16 +444,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="section.field=value (the fields below)")
     args = parser.parse_args(argv)
     try:
-        cfg = checks.load(args.preset, args.overrides)
+        cfg = checks.load(args.preset, args.overrides, args.config)  # the one validation
         if args.print_config:
             print(config_lib.to_json(cfg))
             return
         checks.check_paths(cfg)
         if args.distributed:
             co2jax.distributed.initialize()
-        _setup_devices(cfg)
-        checks.validate(cfg, jax.device_count())
-        history = train(cfg, resume=args.resume, overwrite=args.overwrite).history
+        setup_devices(cfg)
+        checks.check_devices(cfg, jax.device_count())
+        history = train_validated(cfg, resume=args.resume, overwrite=args.overwrite).history
     except (config_lib.ConfigError, RunError) as e:
         if args.debug:
             raise
@@ -424,6 +464,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.debug:
             raise
         again = ["python -m experiments.train", f"--preset {args.preset}", "--resume"]
+        if args.config:
+            again.append(f"--config {shlex.quote(args.config)}")
         again += [shlex.quote(o) for o in args.overrides]
         if e.saved is None:
             print(f"{e} (checkpoint.dir is not set: nothing to resume)", file=sys.stderr)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from co2jax.kernels.layout import Gathered, Layout, make_layout
-from co2jax.kernels.outer_update import _inputs, outer_update_pallas
+from co2jax.kernels.outer_update import kernel_inputs, outer_update_pallas
 from co2jax.kernels.reference import OuterUpdateOut, outer_update_reference
 from co2jax.kernels.spec import LANES, BlockSizes, OuterUpdateSpec, default_block_sizes
 
@@ -276,7 +276,7 @@ def _pallas(
     for seg in layout.segments:
         arrays = {"anchor": layout.segment(cols["anchor"], seg), "apply": _row(apply)}
         for key, name in names.items():
-            if cols[key] is not None and name in _inputs(spec):
+            if cols[key] is not None and name in kernel_inputs(spec):
                 arrays[name] = layout.segment(cols[key], seg)
         if spec.penalty == "gap_aware":
             arrays["gap_correction"] = _row(gap_correction)
@@ -323,7 +323,7 @@ def _pallas(
 
 def state_names(spec: OuterUpdateSpec) -> list[str]:
     """The state buffers ``spec`` reads, named as :func:`outer_update`'s arguments."""
-    return [x for x in _inputs(spec) if x not in ("payloads", "apply", "gap_correction")]
+    return [x for x in kernel_inputs(spec) if x not in ("payloads", "apply", "gap_correction")]
 
 
 def gathered_step(

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from co2jax.kernels import api
 from co2jax.kernels import quantize as qk
 from co2jax.kernels.layout import Gathered, make_layout
-from co2jax.kernels.outer_update import _inputs
+from co2jax.kernels.outer_update import kernel_inputs
 from co2jax.kernels.spec import LANES, OuterUpdateSpec, default_block_sizes
 
 SPECS = {
@@ -75,7 +75,7 @@ def pipeline_bytes(spec, n, replicas, dtype, payload_dtype, backend) -> int:
     elements = -(-n // block.block_elements) * block.block_elements
     item = jnp.dtype(dtype).itemsize
     moved = replicas * elements * jnp.dtype(payload_dtype).itemsize
-    for name in _inputs(spec):
+    for name in kernel_inputs(spec):
         if name in ("anchor", "momentum", "params", "old_pending"):
             moved += elements * item
         elif name == "gap_scale":

@@ -28,7 +28,8 @@ from co2jax.kernels.layout import as_column, same_varying_axes, whole_per_device
 from co2jax.kernels.spec import LANES, BlockSizes, OuterUpdateSpec
 
 
-def _inputs(spec: OuterUpdateSpec) -> tuple[str, ...]:
+def kernel_inputs(spec: OuterUpdateSpec) -> tuple[str, ...]:
+    """The names of the kernel's array inputs for ``spec``, in the order it takes them."""
     names = ["payloads", "anchor"]
     if spec.momentum is not None:
         names.append("momentum")
@@ -153,7 +154,7 @@ def outer_update_pallas(
 
     Args:
       spec: what to compute.
-      arrays: by name (see ``_inputs``): ``payloads`` ``[R, P, 128]`` whose rows
+      arrays: by name (see ``kernel_inputs``): ``payloads`` ``[R, P, 128]`` whose rows
         ``payload_block_offset * block_rows`` onward hold this bucket (optionally int8 codes
         with ``payload_scales`` ``[R, P]``, one float32 scale per row); every other array
         ``[rows, 128]``; the dynamic scalars ``apply`` and ``gap_correction`` as float32
@@ -172,7 +173,7 @@ def outer_update_pallas(
       The outputs by name (see ``_outputs``); ``penalty_sum`` is ``[blocks, 8, 128]`` partial
       sums (read ``[:, 0, :]``).
     """
-    ins = _inputs(spec)
+    ins = kernel_inputs(spec)
     if "payload_scales" in arrays:  # int8 payloads with a float32 scale per row
         ins = (ins[0], "payload_scales", *ins[1:])
     rows = arrays["anchor"].shape[0]

@@ -60,10 +60,11 @@ def registered(name: str, problem: Problem, lr: float, H: int, **overrides):
     from textbook import REGISTERED, VARIANTS
 
     algorithm, fields = VARIANTS[name][:2] if name in VARIANTS else (name, REGISTERED[name][0])
-    config = registry.OuterConfig(algorithm=algorithm, **{**fields, **overrides})
+    settings = registry.settings(algorithm, **{**fields, **overrides})
+    settings.validate(registry.Bounds(sync_every=H))
     params = jax.tree.map(lambda x: x[0], initial_params(problem))
     context = registry.Context(H, params, lr, num_replicas=problem.replicas)
-    return registry.build(config, context), registry.inner(config, optax.sgd(lr), lr)
+    return registry.build(settings, context), registry.inner(settings, optax.sgd(lr), lr)
 
 
 def syncs_per_round(outer) -> bool:

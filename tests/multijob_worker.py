@@ -27,8 +27,8 @@ def algorithms() -> tuple[str, ...]:
     from co2jax.algorithms import registry
 
     # gossip exchanges with a group only: the transfer service's exchange is an all-gather
-    caps = lambda e: e.capabilities
-    names = [n for n, e in registry.REGISTRY.items() if not (caps(e).every_step or caps(e).gossip)]
+    caps = registry.capabilities
+    names = [n for n in registry.NAMES if not (caps(n).every_step or caps(n).gossip)]
     import textbook as tb
 
     names += [v for v, (base, _, _) in tb.VARIANTS.items() if base in names]

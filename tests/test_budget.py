@@ -2,6 +2,7 @@
 its slow tests and the cases its grids do not keep run with -m slow only, and the kept cases
 run by default."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,41 @@ def test_a_malformed_budget_line_is_refused_with_its_line(tmp_path):
     path.write_text("# a comment\n\nslow tests/test_a.py::test_b\nfast tests/test_a.py::test_c\n")
     with pytest.raises(ValueError, match=r"budget.txt:4: expected 'slow NODE' or 'quick NODE'"):
         read_budget(path)
+
+
+def _ci_markexprs() -> list[str]:
+    """The marker expressions of the pytest runs of .ci/run over the whole suite: the README's
+    test command (no -m: the default suite, "not slow") and those .ci/run adds."""
+    readme = (ROOT / "README.md").read_text().split("<!-- test-command -->")[1]
+    command = readme.splitlines()[2].rpartition("-m pytest")[2]
+    assert "-m pytest" in readme.splitlines()[2] and " -m " not in command, command
+    exprs = ["not slow"]
+    for line in (ROOT / ".ci" / "run").read_text().splitlines():
+        if "pytest" not in line or line.lstrip().startswith("#") or "tests/" in line:
+            continue  # a comment, or a run of one file
+        match = re.search(r"""-m (?:"([^"]+)"|'([^']+)'|(\S+))""", line.partition("pytest")[2])
+        exprs.append(next(g for g in match.groups() if g) if match else "not slow")
+    return exprs
+
+
+def test_ci_runs_every_test_and_every_inherited_check_of_every_algorithm():
+    """.ci/run's runs leave no collected test out, and every check an algorithm inherits (a
+    test with a case for every registered algorithm) runs all its cases there."""
+    from co2jax.algorithms import registry
+
+    exprs = _ci_markexprs()
+    assert "not slow" in exprs and "slow" in exprs, exprs
+    ran = set().union(*(_collected(e) for e in exprs))
+    everything = _collected("slow or not slow")
+    assert everything <= ran, sorted(everything - ran)[:10]
+    cases: dict[str, dict[str, set[str]]] = {}  # test -> algorithm -> its cases
+    for node in everything:
+        params = node.partition("[")[2].rstrip("]").split("-")
+        for name in registry.NAMES:
+            if name in params:
+                cases.setdefault(function_of(node), {}).setdefault(name, set()).add(node)
+    inherited = {t: by for t, by in cases.items() if set(by) == set(registry.NAMES)}
+    assert len(inherited) >= 10, sorted(inherited)
+    for test, by in inherited.items():
+        for name, nodes in by.items():
+            assert nodes <= ran, f"{test}: {name}'s cases {sorted(nodes - ran)} never run in CI"

@@ -26,7 +26,7 @@ from co2jax.kernels import (
     outer_update,
     outer_update_reference,
 )
-from co2jax.kernels.outer_update import _inputs, outer_update_pallas
+from co2jax.kernels.outer_update import kernel_inputs, outer_update_pallas
 from co2jax.kernels.spec import LANES
 
 BLOCK = BlockSizes(block_rows=8)
@@ -177,7 +177,7 @@ def test_every_output_element_is_written(name, dtype):
     rows, replicas = 83, 2  # 10.4 blocks: a ragged last block
     rng = np.random.default_rng(3)
     arrays = {}
-    for n in _inputs(spec):
+    for n in kernel_inputs(spec):
         if n == "payloads":
             arrays[n] = jnp.asarray(rng.normal(size=(replicas, 88, LANES)), dtype)
         elif n in ("apply", "gap_correction"):

@@ -50,8 +50,8 @@ NOT_APPLICABLE = {
     ("cocodc", "shard_map_sync"): "applies fragments during the round",
     **{
         (name, "engine_fused"): "not fusable"
-        for name, entry in registry.REGISTRY.items()
-        if not entry.capabilities.fusable
+        for name in registry.NAMES
+        if not registry.capabilities(name).fusable
     },
 }
 NOT_APPLICABLE.update(

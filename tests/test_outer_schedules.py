@@ -55,10 +55,10 @@ def test_constants_stay_fusable_and_schedules_do_not():
 
 
 def _build(problem, rounds=ROUNDS, **fields):
-    config = registry.OuterConfig(algorithm="diloco", **fields)
+    settings = registry.settings("diloco", **fields)
     params = jax.tree.map(lambda x: x[0], harness.initial_params(problem))
     context = registry.Context(H, params, LR, num_replicas=problem.replicas, rounds=rounds)
-    return registry.build(config, context)
+    return registry.build(settings, context)
 
 
 def test_diloco_with_one_replica_and_scheduled_nesterov_is_its_loop():
@@ -113,8 +113,8 @@ def test_scheduled_streaming_diloco_runs_in_the_round_engine():
     the first round moves no fragment's global copy (lr 0) and the second does."""
     problem = tb.make_problem(replicas=4, examples=2, dim=16, seed=5)
     params = jax.tree.map(lambda x: x[0], harness.initial_params(problem))
-    config = registry.OuterConfig(algorithm="streaming_diloco", lr_warmup=2, tau=1)
-    outer = registry.build(config, registry.Context(H, params, LR, rounds=3))
+    settings = registry.settings("streaming_diloco", lr_warmup=2, tau=1)
+    outer = registry.build(settings, registry.Context(H, params, LR, rounds=3))
     mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
     from test_engine import engine_loss, textbook_batch
 
@@ -131,8 +131,8 @@ def test_scheduled_streaming_diloco_runs_in_the_round_engine():
 def _engine_round(problem, **fields):
     """A RoundTrainer of DiLoCo on the 4 x 2 mesh, its initial state and one round's batch."""
     params = jax.tree.map(lambda x: x[0], harness.initial_params(problem))
-    config = registry.OuterConfig(algorithm="diloco", **fields)
-    outer = registry.build(config, registry.Context(H, params, LR, rounds=3))
+    settings = registry.settings("diloco", **fields)
+    outer = registry.build(settings, registry.Context(H, params, LR, rounds=3))
     mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
     from test_engine import engine_loss, textbook_batch
 
@@ -175,19 +175,22 @@ def test_outer_hyperparameters_in_the_state_make_one_program_for_every_value():
     ("fields", "match"),
     [
         (dict(lr_in_state=True, implementation="pallas"), "outer.lr_in_state=True: outer"),
-        (dict(algorithm="co2", lr_in_state=True), "outer.lr_in_state=True: applies to"),
+        (dict(algorithm="co2", lr_in_state=True), "outer.lr_in_state=True: co2 has no such"),
         (dict(optimizer="lamb"), "outer.optimizer='lamb'"),
         (dict(lr_schedule="step"), "outer.lr_schedule='step'"),
         (dict(lr_warmup=-1), "outer.lr_warmup=-1"),
         (dict(lr_final=1.5), "outer.lr_final=1.5"),
         (dict(beta2=1.0), "outer.beta2=1.0"),
-        (dict(algorithm="co2", lr_warmup=3), "outer.lr_warmup=3: applies to"),
-        (dict(algorithm="noloco", optimizer="adam"), "outer.optimizer='adam': applies to"),
+        (dict(algorithm="co2", lr_warmup=3), "outer.lr_warmup=3: co2 has no such setting"),
+        (dict(algorithm="noloco", optimizer="adam"), "outer.optimizer='adam': noloco has no"),
+        (dict(rounds=4, lr_schedule="cosine", lr_warmup=4), "outer.lr_warmup=4: must be < train"),
     ],
 )
 def test_bad_outer_fields(fields, match):
+    fields = {"algorithm": "diloco", **fields}
+    rounds = fields.pop("rounds", None)
     with pytest.raises(ValueError, match=match):
-        registry.validate(registry.OuterConfig(**fields))
+        registry.settings(**fields).validate(registry.Bounds(sync_every=H, rounds=rounds))
 
 
 def test_a_decay_needs_the_number_of_rounds():

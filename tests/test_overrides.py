@@ -53,18 +53,37 @@ NUMERIC = {
     "eval.batch": ["0", "-1", str(10**12)],
     "checkpoint.every": ["0", "-1"],
     "checkpoint.keep": ["0", "-1"],
-    "outer.learning_rate": ["0", "-1", "nan", "inf"],
+    "outer.learning_rate": ["0", "-1", "nan", "inf"],  # the default algorithm's (diloco)
     "outer.momentum": ["1", "-0.5", "nan"],
-    "outer.fragments": ["0"],
-    "outer.delay": ["-1", "2"],  # diloco reads no delay
-    "outer.clip_threshold": ["nan", "inf"],
+    "outer.lr_warmup": ["-1"],
+    "outer.lr_final": ["1.5", "-0.1"],
+    "outer.beta2": ["1", "-0.1"],
+}
+FRAGMENTED = {a: ["outer.tau=0"] for a in ("streaming_diloco", "cocodc")}  # micro: H // P = 1
+# (algorithm, field): bad values of the numeric settings only some algorithms have
+OUTER_NUMERIC = {
+    ("streaming_diloco", "fragments"): ["0"],
+    ("streaming_diloco", "alpha"): ["1.5", "-0.1"],
+    ("delayed_diloco", "delay"): ["-1", "2"],  # micro runs 2 rounds
+    ("eager_diloco", "delay"): ["0"],
+    ("co2", "clip_threshold"): ["nan", "inf"],
+    ("co2", "gap_decay"): ["1"],
+    ("noloco", "group_size"): ["0", "3"],  # 3 does not divide mesh.replica = 4
+    ("noloco", "momentum"): ["1"],
+    ("dct_diloco", "topk"): ["0"],
+    ("dct_diloco", "dct_chunk"): ["0"],
+    ("demo", "momentum"): ["1", "-0.5"],
+    ("diloco_x", "rank"): ["0"],
+    ("cocodc", "hessian_scale"): ["-1"],
+    ("sparseloco", "decay"): ["-1"],
+    ("slowmo", "learning_rate"): ["0"],
 }
 WRONG_TYPE = {
     "int": ["abc", "1.5", "1e3"],
     "float": ["abc"],
     "bool": ["maybe", "2"],
 }
-CHOICE = [  # the string fields with a fixed set of values
+CHOICE = [  # the string fields with a fixed set of values (outer: of some algorithm)
     "model.preset",
     "model.dtype",
     "data.kind",
@@ -76,6 +95,12 @@ CHOICE = [  # the string fields with a fixed set of values
     "outer.implementation",
     "outer.compression",
     "outer.collective",
+    "outer.optimizer",
+    "outer.lr_schedule",
+    "outer.quantizer",
+    "outer.average",
+    "outer.correction",
+    "outer.factors",
 ]
 CO2 = ["outer.algorithm=co2"]
 # (overrides, the key the error must name)
@@ -140,18 +165,60 @@ MALFORMED = [
 ]
 
 
-_leaves = config_lib._leaves  # (dotted name, field, default) of every field
+leaves = config_lib.leaves  # (dotted name, field, default) of every field
+
+
+def _configs() -> dict[str, config_lib.Config]:
+    """The default config with each registered algorithm's settings as its outer section."""
+    base = config_lib.Config()
+    return {a: config_lib.with_algorithm(base, a) for a in config_lib.ALGORITHMS}
+
+
+def _owner(key: str) -> list[str]:
+    """``outer.algorithm=<the first algorithm with it>`` for an outer field the default
+    algorithm lacks, else nothing."""
+    keys = {a: [k for k, _, _ in leaves(c)] for a, c in _configs().items()}
+    if not key.startswith("outer.") or key in keys[config_lib.DEFAULT_ALGORITHM]:
+        return []
+    return [f"outer.algorithm={next(a for a, names in keys.items() if key in names)}"]
 
 
 def _cases() -> list[tuple[list[str], str]]:
     cases = [([f"{key}={v}"], key) for key, values in NUMERIC.items() for v in values]
-    for key, f, _ in _leaves(config_lib.Config()):
-        for v in WRONG_TYPE.get(f.type.split(" |")[0], []):
-            cases.append(([f"{key}={v}"], key))
-    cases += [([f"{key}=bogus"], key) for key in CHOICE]
-    cases += CROSS
+    cases += [
+        ([f"outer.algorithm={a}", *FRAGMENTED.get(a, []), f"outer.{name}={v}"], f"outer.{name}")
+        for (a, name), values in OUTER_NUMERIC.items()
+        for v in values
+    ]
+    seen = set()
+    for algorithm, config in _configs().items():  # every field of every algorithm
+        for key, f, _ in leaves(config):
+            if key in seen or key == "outer.algorithm":
+                continue
+            seen.add(key)
+            pick = [f"outer.algorithm={algorithm}"] if key.startswith("outer.") else []
+            for v in WRONG_TYPE.get(f.type.split(" |")[0], []):
+                cases.append(([*pick, f"{key}={v}"], key))
+    cases += [([*_owner(key), f"{key}=bogus"], key) for key in CHOICE]
+    cases += CROSS + UNDECLARED
     cases += [([item], item.split("=", 1)[0]) for item in MALFORMED]
     return cases
+
+
+def _undeclared() -> list[tuple[list[str], str]]:
+    """For every algorithm, a setting another algorithm has and it does not: refused by
+    construction (its settings class has no such field)."""
+    configs = _configs()
+    names = {a: {k for k, _, _ in leaves(c)} for a, c in configs.items()}
+    everything = set().union(*names.values())
+    out = []
+    for a in configs:
+        key = min(everything - names[a])
+        out.append(([f"outer.algorithm={a}", f"{key}=1"], key))
+    return out
+
+
+UNDECLARED = _undeclared()
 
 
 CASES = _cases()
@@ -202,7 +269,7 @@ def _argv(tmp_path: Path, *overrides: str) -> list[str]:
 
 
 def test_fuzz_list_is_large():
-    assert len(CASES) >= 80
+    assert len(CASES) >= 150
     assert len({tuple(c) for c, _ in CASES}) == len(CASES)
     assert set(CHOICE) == set(config_lib.CHOICES)
 
@@ -246,16 +313,24 @@ def test_print_config_prints_the_resolved_config(tmp_path, capsys):
     assert not _files(tmp_path)
 
 
-def test_help_lists_every_field_with_type_and_default(capsys):
+@pytest.mark.parametrize("algorithm", [None, *config_lib.ALGORITHMS])
+def test_help_lists_every_field_with_type_default_and_description(algorithm, capsys):
+    """``--help`` (``--help outer.algorithm=X``): every field of the config with ``X``'s
+    settings as its outer section, with its type, default and description, and under
+    ``outer`` no setting ``X`` does not have."""
     with pytest.raises(SystemExit) as exit_:
-        train.main(["--help"])
+        train.main(["--help", *([f"outer.algorithm={algorithm}"] if algorithm else [])])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    for key, f, default in _leaves(config_lib.Config()):
+    config = _configs()[algorithm or config_lib.DEFAULT_ALGORITHM]
+    for key, f, default in leaves(config):
         line = next((s for s in out.splitlines() if s.split()[:1] == [key]), None)
         assert line is not None, key
         assert f.type in line and repr(default) in line, line
-    assert "--print-config" in out and "--debug" in out
+        assert f.metadata["help"] and f.metadata["help"] in line, line
+    listed = {s.split()[0] for s in out.splitlines() if s.strip().startswith("outer.")}
+    assert listed == {k for k, _, _ in leaves(config) if k.startswith("outer.")}
+    assert "--print-config" in out and "--debug" in out and "--config" in out
 
 
 def test_cli_subprocess_error_is_one_line(tmp_path):
@@ -291,7 +366,11 @@ def test_cli_subprocess_error_is_one_line(tmp_path):
         ["data.kind=stdlib", "data.vocab_size=256"],
         ["mesh.data=-1"],
         ["mesh.model=-1"],
-        ["name=my-run_1.2", "checkpoint.dir=none", "outer.clip_threshold=none"],
+        ["name=my-run_1.2", "checkpoint.dir=none"],
+        ["outer.algorithm=co2", "outer.clip_threshold=none", "outer.clip_threshold=0.5"],
+        ["outer.learning_rate=0.5", "outer.algorithm=noloco", "outer.group_size=4"],
+        ["outer.algorithm=dct_diloco", "outer.topk=3", "outer.dct_chunk=7"],
+        ["outer.algorithm=diloco_x", "outer.rank=2", "outer.factors=bf16"],
         ["model.n_heads=4", "model.d_model=64"],
     ],
 )
@@ -333,6 +412,12 @@ def test_validate_checks_types_of_a_config_built_in_code():
         checks.validate(inf)
 
 
+def test_validate_refuses_an_outer_section_that_is_not_settings():
+    cfg = dataclasses.replace(config_lib.preset("micro"), outer={"algorithm": "co2"})
+    with pytest.raises(config_lib.ConfigError, match=r"^outer='dict': must be an algorithm's"):
+        checks.validate(cfg)
+
+
 def test_memory_estimate(monkeypatch):
     cfg = config_lib.preset("micro")  # R 4, H 2, B 4, L + 1 17, eval 8
     assert checks.data_bytes(cfg) == 4 * 4 * 2 * 4 * 17 + 16 * 2 * 4 * 17 + 20 * 8 * 17
@@ -352,3 +437,105 @@ def test_check_paths(tmp_path):
     tokens = config_lib.override(cfg, ["data.kind=tokens", f"data.path={tmp_path / 'no.bin'}"])
     with pytest.raises(config_lib.ConfigError, match=r"^data\.path=.*is not a file"):
         checks.check_paths(tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# --config FILE, the algorithm's settings as the outer section, one validation a run
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_print_config_round_trips_through_a_config_file(suffix, tmp_path, capsys):
+    import yaml
+
+    argv = _argv(tmp_path, "outer.algorithm=co2", "outer.clip_threshold=0.5", "train.rounds=3")
+    train.main(["--print-config", *argv])
+    printed = capsys.readouterr().out
+    path = tmp_path / f"run{suffix}"
+    tree = json.loads(printed)
+    path.write_text(printed if suffix == ".json" else yaml.safe_dump(tree))
+    # the file sets every field: the preset under it does not show through
+    train.main(["--print-config", "--preset", "cpu-tiny", "--config", str(path)])
+    assert capsys.readouterr().out == printed
+    train.main(
+        ["--print-config", "--config", str(path), "train.rounds=5", "outer.penalty=constant"]
+    )
+    again = json.loads(capsys.readouterr().out)
+    assert again["train"]["rounds"] == 5 and again["outer"]["penalty"] == "constant"
+    assert again["outer"]["clip_threshold"] == 0.5 and again["outer"]["algorithm"] == "co2"
+    assert not _files(tmp_path) - {path}
+
+
+def test_a_partial_config_file_goes_on_the_preset(tmp_path, capsys):
+    path = tmp_path / "sparse.yaml"
+    path.write_text(
+        "outer:\n  algorithm: sparseloco\n  topk: 8\n  chunk: 64\ntrain:\n  rounds: 4\n"
+    )
+    train.main(["--print-config", "--preset", "micro", "--config", str(path)])
+    tree = json.loads(capsys.readouterr().out)
+    assert tree["outer"]["algorithm"] == "sparseloco" and tree["outer"]["topk"] == 8
+    assert tree["train"]["rounds"] == 4 and tree["model"]["d_model"] == 32  # micro's
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("outer:\n  delay: 2\n", "outer.delay: diloco has no such setting (a setting of"),
+        ("outer:\n  algorithm: co2\n  clip_threshold: -1\n", "outer.clip_threshold=-1.0: must"),
+        ("train:\n  rounds: three\n", "train.rounds='three': expected int"),
+        ("train: [1, 2\n", "--config="),
+        ("- 1\n- 2\n", "must be a mapping"),
+    ],
+)
+def test_a_bad_config_file_is_one_line(text, expected, tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        train.main([*_argv(tmp_path, "--config", str(path))])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert expected in err and "Traceback" not in err, err
+    assert _files(tmp_path) == {path}
+
+
+def test_a_missing_config_file_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.main([*_argv(tmp_path, "--config", str(tmp_path / "no.yaml"))])
+    assert capsys.readouterr().err.startswith("error: --config=")
+
+
+def test_the_algorithm_is_chosen_first_and_keeps_the_settings_it_shares():
+    micro = config_lib.preset("micro")
+    a = config_lib.override(micro, ["outer.learning_rate=0.5", "outer.algorithm=co2"])
+    b = config_lib.override(micro, ["outer.algorithm=co2", "outer.learning_rate=0.5"])
+    assert a == b and a.outer.learning_rate == 0.5 and type(a.outer).__name__ == "CO2Settings"
+    # a setting the new algorithm lacks is left behind with the old one
+    c = config_lib.override(micro, ["outer.compression=int8"])
+    assert not hasattr(config_lib.override(c, ["outer.algorithm=co2"]).outer, "compression")
+    # streaming DiLoCo keeps DiLoCo's outer step and compression
+    d = config_lib.override(c, ["outer.algorithm=streaming_diloco", "outer.tau=0"])
+    assert d.outer.compression == "int8" and d.outer.tau == 0
+
+
+def test_one_run_validates_its_config_once(tmp_path, monkeypatch, capsys):
+    """One CLI run: the config is validated once where it is loaded, the outer algorithm's
+    checks (and its outer learning rate's) run once; nothing after re-validates."""
+    import collections
+
+    from co2jax.algorithms import settings
+
+    calls = collections.Counter()
+
+    def counted(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(checks, "validate", counted("config", checks.validate))
+    monkeypatch.setattr(settings.Settings, "validate", counted("outer", settings.Settings.validate))
+    check = counted("learning_rate", settings.LearningRate.check)
+    monkeypatch.setattr(settings.LearningRate, "check", check)
+    train.main(_argv(tmp_path, "outer.algorithm=co2", "train.rounds=1", "eval.every=0"))
+    assert "eval loss" in capsys.readouterr().out
+    assert calls == {"config": 1, "outer": 1, "learning_rate": 1}

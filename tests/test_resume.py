@@ -148,7 +148,7 @@ def test_digest_sees_one_flipped_bit():
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_at_the_round_boundary_with_a_checkpoint(signum, tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, "train.rounds=4", "checkpoint.every=10")
-    real = train.build
+    real = train._build  # the run's build, after its one validation
 
     def build(cfg):
         run = real(cfg)
@@ -164,13 +164,13 @@ def test_a_signal_stops_at_the_round_boundary_with_a_checkpoint(signum, tmp_path
         run.trainer.round = round_
         return run
 
-    monkeypatch.setattr(train, "build", build)
+    monkeypatch.setattr(train, "_build", build)
     with pytest.raises(train.Interrupted) as caught:
         train.train(cfg)
     assert caught.value.rounds == 2 and caught.value.saved == 2
     assert checkpoints.Checkpoints(tmp_path / "ckpt", 2).steps() == [2]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
-    monkeypatch.setattr(train, "build", real)
+    monkeypatch.setattr(train, "_build", real)
     resumed = train.train(cfg, resume=True)
     assert [r["round"] for r in resumed.history] == [3, 4]
 

@@ -2,7 +2,7 @@
 finished rows reused by config hash, the report rewritten after every row, failures and
 Ctrl-C recorded, plots that tell the rows apart.
 
-Training is replaced by a fake ``experiments.train.train`` (what the sweep calls once per
+Training is replaced by a fake ``experiments.train.train_validated`` (what the sweep calls once per
 run), so every test here takes well under a second of compute.
 """
 
@@ -28,7 +28,7 @@ ROWS = [
 
 
 class FakeTrain:
-    """Stands in for ``train.train``: validates the config and counts the call, refuses a run
+    """Stands in for ``train.train_validated``: checks the mesh and counts the call, refuses a run
     directory that holds anything (as the driver does without ``overwrite``), writes the
     config there, returns a two-round history (DDP sends 16x the bytes of the others), and
     raises ``fail[k]`` on the k-th call (1-based)."""
@@ -40,7 +40,7 @@ class FakeTrain:
         self.curves = curves or {}
 
     def __call__(self, cfg, *, resume=False, out_dir=None, stop_after=None):
-        checks.validate(cfg, 8)  # the driver's check before it builds anything
+        checks.check_devices(cfg, 8)  # the driver's check before it builds anything
         self.calls.append(cfg.name)
         k = len(self.calls)
         if self.on_call is not None:
@@ -83,7 +83,7 @@ def sweep(monkeypatch, tmp_path):
 
     def run(rows=ROWS, fake=None, *args, plots=False):
         fake = fake if fake is not None else FakeTrain()
-        monkeypatch.setattr(train, "train", fake)
+        monkeypatch.setattr(train, "train_validated", fake)
         monkeypatch.setattr(compare, "SWEEP", rows)
         monkeypatch.setattr(report, "_plot", real_plot if plots else fake_plot, raising=False)
         argv = ["--preset", "micro", "--out", str(out), *args, f"log.dir={tmp_path / 'logs'}"]

@@ -329,8 +329,9 @@ def noloco(problem, lr, H, rounds, eta, mu, n=2):
 
 
 # ---------------------------------------------------------------------------------------------
-# One entry per algorithm of co2jax's registry: the config overrides the shared tests build it
-# from (co2jax.algorithms.registry.OuterConfig fields) and its loop ``(problem, lr, H, rounds)``.
+# One entry per algorithm of co2jax's registry: the settings the shared tests build it from
+# (fields of its co2jax.algorithms.registry settings class) and its loop
+# ``(problem, lr, H, rounds)``.
 # Streaming DiLoCo's fragments are the registry's default: one leaf each, "b" (indices 0, 1)
 # and "w" (the rest); its two fragments need H // 2 > tau = 1, so the shared tests use H = 4.
 

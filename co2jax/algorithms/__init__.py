@@ -6,7 +6,7 @@ from co2jax.algorithms.cocodc import CoCoDCState, cocodc
 from co2jax.algorithms.data_parallel import NoSyncState, data_parallel, no_sync
 from co2jax.algorithms.dct_diloco import DCTDiLoCoState, dct_diloco
 from co2jax.algorithms.demo import DeMoState, demo
-from co2jax.algorithms.diloco import delayed_diloco, diloco, eager_diloco
+from co2jax.algorithms.diloco import delayed_diloco, diloco, eager_diloco, snoo
 from co2jax.algorithms.diloco_x import adapt, diloco_x, exchange_seconds
 from co2jax.algorithms.error_feedback import ErrorFeedbackState, error_feedback
 from co2jax.algorithms.fused import FusableTransformation, outer_sgd
@@ -14,7 +14,7 @@ from co2jax.algorithms.guards import SkipNonfiniteState, skip_nonfinite
 from co2jax.algorithms.local_sgd import local_sgd
 from co2jax.algorithms.low_rank import LowRankState, carry_over, low_rank
 from co2jax.algorithms.noloco import NoLoCoState, noloco
-from co2jax.algorithms.outer_schedules import outer_transform, snoo
+from co2jax.algorithms.outer_schedules import outer_transform
 from co2jax.algorithms.pseudo_gradient import PseudoGradientState, pseudo_gradient_method
 from co2jax.algorithms.slowmo import SlowMomentumState, scale_by_slow_momentum, slowmo
 from co2jax.algorithms.sparseloco import sparseloco

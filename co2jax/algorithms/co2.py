@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -14,6 +15,7 @@ from co2jax import penalties as _penalties
 from co2jax._checks import check_positive, check_unit_interval
 from co2jax.algorithms.fused import Fusable, FusableTransformation
 from co2jax.algorithms.pseudo_gradient import pseudo_gradient_method
+from co2jax.algorithms.settings import Fused, Guard, Settings, StepSize, fail, register, setting
 from co2jax.axes import REPLICA
 from co2jax.comm.reducer import Reducer
 from co2jax.kernels.spec import OuterUpdateSpec
@@ -248,3 +250,44 @@ def co2(
     return pseudo_gradient_method(
         outer, delay=delay, axis_name=axis_name, reduce=reduce, implementation=implementation
     )
+
+
+PENALTIES = ("none", "constant", "gap_aware")
+
+
+@register("CO2: stale outer momentum")
+@dataclasses.dataclass(frozen=True)
+class CO2Settings(Settings, StepSize, Fused, Guard):
+    """CO2's settings: step size, clip, penalty and mode (arXiv 2401.16265)."""
+
+    algorithm: str = setting("co2", "the algorithm")
+    clip_threshold: float | None = setting(None, "clip of the stale momentum's step (paper)")
+    penalty: str = setting("none", "the staleness penalty", PENALTIES)
+    penalty_lambda: float = setting(1.0, "the constant penalty's lambda (> 0)")
+    gap_decay: float = setting(0.9, "the gap-aware penalty's average decay, in [0, 1)")
+    mode: str = setting("paper", "the paper's update or the released code's", MODES)
+
+    def check(self, bounds) -> None:
+        self.unless("penalty_lambda", self.penalty == "constant", "outer.penalty is 'constant'")
+        self.unless("gap_decay", self.penalty == "gap_aware", "outer.penalty is 'gap_aware'")
+        self.unless("clip_threshold", self.mode == "paper", "outer.mode is 'paper'")
+        if not self.penalty_lambda > 0:
+            fail("penalty_lambda", self.penalty_lambda, "must be > 0")
+        if not 0 <= self.gap_decay < 1:
+            fail("gap_decay", self.gap_decay, "must be in [0, 1)")
+        if self.mode == "reference_code" and self.penalty == "gap_aware":
+            fail("penalty", self.penalty, "outer.mode='reference_code' takes 'none' or 'constant'")
+        if self.clip_threshold is not None and not self.clip_threshold > 0:
+            fail("clip_threshold", self.clip_threshold, "must be > 0 or None")
+
+    def build(self, context, reduce) -> OuterOptimizer:
+        penalty = {
+            "none": None,
+            "constant": _penalties.constant(self.penalty_lambda),
+            "gap_aware": _penalties.gap_aware(self.gap_decay),
+        }[self.penalty]
+        clip = self.clip_threshold if self.mode == "paper" else None
+        return co2(
+            self.learning_rate, self.momentum, clip, penalty, self.mode, reduce=reduce,
+            implementation=self.implementation,
+        )  # fmt: skip

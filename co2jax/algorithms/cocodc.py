@@ -34,6 +34,7 @@ With tau = 0 the drift is zero and every correction is Streaming DiLoCo.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Any, NamedTuple
@@ -42,6 +43,15 @@ import jax.numpy as jnp
 import optax
 
 from co2jax._checks import check_choice
+from co2jax.algorithms.settings import (
+    Compression,
+    Fragmented,
+    OuterStep,
+    Settings,
+    fail,
+    register,
+    setting,
+)
 from co2jax.algorithms.streaming_diloco import StreamingState, streaming_diloco
 from co2jax.axes import REPLICA
 from co2jax.comm.reducer import Reducer
@@ -213,3 +223,23 @@ def cocodc(
         return fragments.put(merged, p, corrected), CoCoDCState(inner, state.sent)
 
     return streaming._replace(init=init, send=send, apply=apply)
+
+
+@register("Streaming DiLoCo with delay compensation at apply (a reconstruction)")
+@dataclasses.dataclass(frozen=True)
+class CoCoDCSettings(Settings, OuterStep, Fragmented, Compression):
+    """CoCoDC's settings: Streaming DiLoCo's and the delay compensation."""
+
+    algorithm: str = setting("cocodc", "the algorithm")
+    correction: str = setting("zeroth", "the delay compensation", CORRECTIONS)
+    hessian_scale: float = setting(0.5, "lambda of the first-order correction (>= 0)")
+
+    def check(self, bounds) -> None:
+        if self.hessian_scale < 0:
+            fail("hessian_scale", self.hessian_scale, "must be >= 0")
+
+    def build(self, context, reduce) -> OuterOptimizer:
+        return cocodc(
+            self.transform(context), self.cut(context), context.sync_every, self.tau,
+            self.alpha, self.correction, self.hessian_scale, reduce=reduce,
+        )  # fmt: skip

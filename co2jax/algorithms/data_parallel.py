@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import optax
 
 from co2jax._checks import check_axis_name, check_transform
+from co2jax.algorithms.settings import Settings, register, setting
 from co2jax.axes import REPLICA, axis_size
-from co2jax.comm.reducer import pmean
+from co2jax.comm.reducer import pmean, ring_bytes
 from co2jax.protocol import OuterOptimizer
+from co2jax.tree import tree_bytes
 
 
 def data_parallel(
@@ -71,3 +74,23 @@ def no_sync() -> OuterOptimizer:
         apply=lambda params, state, i, reduced: (params, state),
         schedule=(),
     )
+
+
+def _ddp_inner(transform: optax.GradientTransformation, settings, learning_rate):
+    del settings, learning_rate
+    return data_parallel(transform)
+
+
+@register(
+    "data-parallel baseline: gradients all-reduced every step",
+    inner=_ddp_inner,
+    step_bytes=lambda settings, params, replicas: ring_bytes(tree_bytes(params), replicas),
+)
+@dataclasses.dataclass(frozen=True)
+class DDPSettings(Settings):
+    """DDP's settings: none (its inner transform averages the gradients every step)."""
+
+    algorithm: str = setting("ddp", "the algorithm")
+
+    def build(self, context, reduce) -> OuterOptimizer:
+        return no_sync()

@@ -20,6 +20,7 @@ parameters ``apply`` sees are the ones ``send`` saw) and runs the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from co2jax._checks import check_axis_name, check_int, check_positive, check_unit_interval
+from co2jax.algorithms.settings import DCTTopK, LearningRate, Settings, fail, register, setting
 from co2jax.axes import REPLICA
 from co2jax.comm.dct import all_gather_dct_topk
 from co2jax.comm.reducer import values
@@ -174,3 +176,19 @@ def dct_diloco(
         return anchor, DCTDiLoCoState(anchor, delta, state.count + 1)
 
     return OuterOptimizer(init, send, reducer, apply, SYNCHRONOUS, replica_local=True)
+
+
+@register("replica-local DiLoCo sharing only the top-k DCT coefficients of its momentum")
+@dataclasses.dataclass(frozen=True)
+class DCTDiLoCoSettings(Settings, LearningRate, DCTTopK):
+    """DCT-momentum DiLoCo's settings (arXiv 2510.03371)."""
+
+    algorithm: str = setting("dct_diloco", "the algorithm")
+    decay: float = setting(0.95, "the momentum's decay, in [0, 1)")
+
+    def check(self, bounds) -> None:
+        if not 0 <= self.decay < 1:
+            fail("decay", self.decay, "must be in [0, 1)")
+
+    def build(self, context, reduce) -> OuterOptimizer:
+        return dct_diloco(self.learning_rate, self.decay, self.topk, self.dct_chunk)

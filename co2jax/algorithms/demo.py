@@ -17,6 +17,7 @@ As an optax update (added to the parameters): ``-lr * weight_decay * p - lr * si
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Any, NamedTuple
@@ -26,8 +27,11 @@ import jax.numpy as jnp
 import optax
 
 from co2jax._checks import check_axis_name, check_int, check_positive, check_unit_interval
+from co2jax.algorithms.data_parallel import no_sync
+from co2jax.algorithms.settings import DCTTopK, Settings, fail, register, setting
 from co2jax.axes import REPLICA, axis_size
 from co2jax.comm.dct import all_gather_dct_topk
+from co2jax.protocol import OuterOptimizer
 
 
 class DeMoState(NamedTuple):
@@ -143,3 +147,35 @@ def demo(
         return step, DeMoState(delta, optax.safe_increment(state.count))
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _demo_inner(transform, settings: DeMoSettings, learning_rate):
+    del transform  # DeMo is the whole inner optimizer: sign steps at the inner learning rate
+    if learning_rate is None:
+        raise ValueError("demo needs the inner learning rate (registry.inner(..., learning_rate))")
+    return demo(learning_rate, settings.momentum, settings.topk, settings.dct_chunk)
+
+
+def _demo_step_bytes(settings: DeMoSettings, params, replicas: int) -> float:
+    return all_gather_dct_topk(settings.topk, settings.dct_chunk).wire_bytes(params, replicas)
+
+
+@register(
+    "DeMo: sign steps on shared top-k DCT coefficients of a local momentum, every step",
+    inner=_demo_inner,
+    step_bytes=_demo_step_bytes,
+)
+@dataclasses.dataclass(frozen=True)
+class DeMoSettings(Settings, DCTTopK):
+    """DeMo's settings (arXiv 2411.19870): its momentum and DCT top-k, at the inner learning
+    rate (DeMo is the inner optimizer; nothing is exchanged per round)."""
+
+    algorithm: str = setting("demo", "the algorithm")
+    momentum: float = setting(0.9, "the local momentum's decay, in [0, 1)")
+
+    def check(self, bounds) -> None:
+        if not 0 <= self.momentum < 1:
+            fail("momentum", self.momentum, "must be in [0, 1)")
+
+    def build(self, context, reduce) -> OuterOptimizer:
+        return no_sync()

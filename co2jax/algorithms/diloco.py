@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import optax
 
 from co2jax._checks import check_int
+from co2jax.algorithms.outer_schedules import outer_transform
 from co2jax.algorithms.pseudo_gradient import pseudo_gradient_method
+from co2jax.algorithms.settings import (
+    Compression,
+    Delay,
+    Fused,
+    Guard,
+    OuterStep,
+    Settings,
+    register,
+    setting,
+)
 from co2jax.axes import REPLICA
 from co2jax.comm.reducer import Reducer
 from co2jax.protocol import OuterOptimizer
@@ -175,3 +189,82 @@ def eager_diloco(
         reduce=reduce,
         implementation=implementation,
     )
+
+
+def _identity(axis_name: str) -> Reducer:
+    """One replica: its payload is the mean (nothing crosses any axis)."""
+    del axis_name
+    return Reducer("identity", lambda payload: payload, lambda shapes, r: 0.0)
+
+
+def snoo(
+    learning_rate: float | Callable = 0.7,
+    momentum: float | Callable = 0.9,
+    *,
+    axis_name: str = REPLICA,
+) -> OuterOptimizer:
+    """SNOO: Nesterov momentum on the pseudo-gradient of a single worker (DiLoCo, M = 1).
+
+    Every ``sync_every`` inner steps (the driver's H, "step K" in the paper):
+    ``Delta = anchor - theta; b <- mu*b + Delta; anchor <- anchor - eta*(Delta + mu*b);
+    theta <- anchor``. No replica axis is needed: the reduction is the identity, so it runs
+    in a plain single-device optax loop through :func:`co2jax.local_updates`.
+    ``learning_rate`` and ``momentum`` may be schedules of the outer step.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, co2jax
+      >>> tx = co2jax.local_updates(optax.sgd(0.5), co2jax.snoo(1.0, 0.0), sync_every=2)
+      >>> params = jnp.array([4.0]); state = tx.init(params)
+      >>> for _ in range(2):  # loss 0.5 * theta**2: theta 4 -> 2 -> 1, then the sync
+      ...     updates, state = tx.update(params, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> params  # eta 1, mu 0: the anchor moves all the way to theta
+      Array([1.], dtype=float32)
+
+    References:
+      Kallusky et al., "SNOO: Step-K Nesterov Outer Optimizer", arXiv 2510.15830.
+    """
+    outer = outer_transform("sgd", learning_rate, momentum, nesterov=True)
+    return diloco(outer, axis_name=axis_name, reduce=_identity(axis_name))
+
+
+@register("outer Nesterov on pseudo-gradients")
+@dataclasses.dataclass(frozen=True)
+class DiLoCoSettings(Settings, OuterStep, Compression, Fused, Guard):
+    """DiLoCo's settings: the outer transform, compression, the fused update, the guard."""
+
+    algorithm: str = setting("diloco", "the algorithm")
+
+    def build(self, context, reduce) -> OuterOptimizer:
+        return diloco(self.transform(context), reduce=reduce, implementation=self.implementation)
+
+
+@register("naive one-round delay")
+@dataclasses.dataclass(frozen=True)
+class DelayedDiLoCoSettings(Settings, OuterStep, Delay, Compression, Fused, Guard):
+    """Delayed DiLoCo's settings: DiLoCo's and the delay."""
+
+    algorithm: str = setting("delayed_diloco", "the algorithm")
+
+    def build(self, context, reduce) -> OuterOptimizer:
+        return delayed_diloco(
+            self.transform(context), self.delay, reduce=reduce, implementation=self.implementation
+        )
+
+
+@register("eager updates")
+@dataclasses.dataclass(frozen=True)
+class EagerDiLoCoSettings(Settings, OuterStep, Delay, Fused):
+    """Eager DiLoCo's settings: the outer transform, the delay, the fused update (replica-
+    local anchors: no guard, no compression)."""
+
+    algorithm: str = setting("eager_diloco", "the algorithm")
+
+    def build(self, context, reduce) -> OuterOptimizer:
+        return eager_diloco(
+            self.transform(context),
+            self.delay,
+            num_replicas=context.num_replicas,
+            reduce=reduce,
+            implementation=self.implementation,
+        )

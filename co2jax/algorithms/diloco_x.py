@@ -15,6 +15,7 @@ docstring); :func:`exchange_seconds` reads the exchange's time from a separate j
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Any
@@ -25,7 +26,18 @@ from co2jax._checks import check_int
 from co2jax.algorithms.diloco import delayed_diloco
 from co2jax.algorithms.guards import skip_nonfinite as guard
 from co2jax.algorithms.low_rank import low_rank
+from co2jax.algorithms.settings import (
+    Delay,
+    Fused,
+    Guard,
+    OuterStep,
+    Settings,
+    fail,
+    register,
+    setting,
+)
 from co2jax.axes import REPLICA
+from co2jax.comm.lowrank import FACTORS
 from co2jax.protocol import OuterOptimizer
 
 
@@ -243,3 +255,23 @@ def exchange_seconds(
             )
         return float(metrics.bytes_sent) / float(link_bytes_per_s)
     return compute
+
+
+@register("one-round-delayed DiLoCo on rank-r int4 pseudo-gradients (a reconstruction)")
+@dataclasses.dataclass(frozen=True)
+class DiLoCoXSettings(Settings, OuterStep, Delay, Fused, Guard):
+    """DiLoCoX's settings: delayed DiLoCo's and the factors' rank and format."""
+
+    algorithm: str = setting("diloco_x", "the algorithm")
+    rank: int = setting(32, "the rank of each matrix's pseudo-gradient on the wire (>= 1)")
+    factors: str = setting("int4", "the factors' format", FACTORS)
+
+    def check(self, bounds) -> None:
+        if self.rank < 1:
+            fail("rank", self.rank, "must be >= 1")
+
+    def build(self, context, reduce) -> OuterOptimizer:
+        return diloco_x(
+            self.transform(context), self.rank, self.factors, self.delay,
+            skip_nonfinite=self.skip_nonfinite, implementation=self.implementation,
+        )  # fmt: skip

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import optax
 
 from co2jax.algorithms.pseudo_gradient import pseudo_gradient_method
+from co2jax.algorithms.settings import Guard, Settings, register, setting
 from co2jax.axes import REPLICA
 from co2jax.comm.reducer import Reducer
 from co2jax.protocol import OuterOptimizer
@@ -44,3 +47,14 @@ def local_sgd(*, axis_name: str = REPLICA, reduce: Reducer | None = None) -> Out
       Stich, "Local SGD converges fast and communicates little", arXiv 1805.09767.
     """
     return pseudo_gradient_method(optax.scale(-1.0), axis_name=axis_name, reduce=reduce)
+
+
+@register("periodic model averaging")
+@dataclasses.dataclass(frozen=True)
+class LocalSGDSettings(Settings, Guard):
+    """Local SGD's settings: none of its own."""
+
+    algorithm: str = setting("local_sgd", "the algorithm")
+
+    def build(self, context, reduce) -> OuterOptimizer:
+        return local_sgd(reduce=reduce)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from co2jax._checks import check_axis_name, check_int, check_positive, check_unit_interval
+from co2jax.algorithms.settings import Settings, StepSize, fail, register, setting
 from co2jax.axes import REPLICA
 from co2jax.comm.gossip import gossip_mean, gossip_payload
 from co2jax.protocol import SYNCHRONOUS, OuterOptimizer, Params, StateRoles
@@ -124,3 +126,27 @@ def noloco(
     return OuterOptimizer(
         init, send, reducer, apply, SYNCHRONOUS, replica_local=True, period=sync_every
     )
+
+
+@register("gossip outer steps in random groups of n: no all-reduce")
+@dataclasses.dataclass(frozen=True)
+class NoLoCoSettings(Settings, StepSize):
+    """NoLoCo's settings: step size and the gossip group (arXiv 2506.10911)."""
+
+    algorithm: str = setting("noloco", "the algorithm")
+    group_size: int = setting(2, "replicas per gossip group (>= 1; divides the replicas)")
+
+    def check(self, bounds) -> None:
+        if self.group_size < 1:
+            fail("group_size", self.group_size, "must be >= 1")
+        if bounds.replicas is not None and bounds.replicas % self.group_size:
+            fail(
+                "group_size",
+                self.group_size,
+                f"must divide mesh.replica={bounds.replicas} (replicas are dealt into groups)",
+            )
+
+    def build(self, context, reduce) -> OuterOptimizer:
+        return noloco(
+            self.learning_rate, self.momentum, self.group_size, sync_every=context.sync_every
+        )

@@ -20,11 +20,7 @@ from collections.abc import Callable
 import optax
 
 from co2jax._checks import check_choice, check_int, check_positive, check_unit_interval
-from co2jax.algorithms.diloco import diloco
 from co2jax.algorithms.fused import outer_sgd
-from co2jax.axes import REPLICA
-from co2jax.comm.reducer import Reducer
-from co2jax.protocol import OuterOptimizer
 
 OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -123,40 +119,3 @@ def outer_transform(
         return optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)
 
     return optax.inject_hyperparams(sgd)(learning_rate, momentum)
-
-
-def _identity(axis_name: str) -> Reducer:
-    """One replica: its payload is the mean (nothing crosses any axis)."""
-    del axis_name
-    return Reducer("identity", lambda payload: payload, lambda shapes, r: 0.0)
-
-
-def snoo(
-    learning_rate: float | Callable = 0.7,
-    momentum: float | Callable = 0.9,
-    *,
-    axis_name: str = REPLICA,
-) -> OuterOptimizer:
-    """SNOO: Nesterov momentum on the pseudo-gradient of a single worker (DiLoCo, M = 1).
-
-    Every ``sync_every`` inner steps (the driver's H, "step K" in the paper):
-    ``Delta = anchor - theta; b <- mu*b + Delta; anchor <- anchor - eta*(Delta + mu*b);
-    theta <- anchor``. No replica axis is needed: the reduction is the identity, so it runs
-    in a plain single-device optax loop through :func:`co2jax.local_updates`.
-    ``learning_rate`` and ``momentum`` may be schedules of the outer step.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, co2jax
-      >>> tx = co2jax.local_updates(optax.sgd(0.5), co2jax.snoo(1.0, 0.0), sync_every=2)
-      >>> params = jnp.array([4.0]); state = tx.init(params)
-      >>> for _ in range(2):  # loss 0.5 * theta**2: theta 4 -> 2 -> 1, then the sync
-      ...     updates, state = tx.update(params, state, params)
-      ...     params = optax.apply_updates(params, updates)
-      >>> params  # eta 1, mu 0: the anchor moves all the way to theta
-      Array([1.], dtype=float32)
-
-    References:
-      Kallusky et al., "SNOO: Step-K Nesterov Outer Optimizer", arXiv 2510.15830.
-    """
-    outer = outer_transform("sgd", learning_rate, momentum, nesterov=True)
-    return diloco(outer, axis_name=axis_name, reduce=_identity(axis_name))

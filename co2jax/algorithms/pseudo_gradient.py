@@ -183,4 +183,5 @@ def pseudo_gradient_method(
         DELAYED if delay else SYNCHRONOUS,
         replica_local=eager,
         accepts_gathered=True,
+        fused=fusable is not None,
     )

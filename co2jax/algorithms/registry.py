@@ -1,414 +1,190 @@
-"""The algorithm registry: name -> builder from a typed config, and what each algorithm can do.
+"""The algorithm registry: every algorithm's settings class, and what each can do, derived.
 
-Adding an algorithm is its file, its textbook loop (``tests/textbook.py``), its docs page
-(``docs/algorithms/<name>.md``) and one line in :data:`REGISTRY`; the experiment configs, the
-comparison report and the shared test lists read it from here.
+Each algorithm declares its settings beside its factory (:mod:`co2jax.algorithms.settings`:
+a frozen dataclass of the shared pieces it takes and its own fields, registered with one
+decorator). Importing this module imports every algorithm, so :data:`REGISTRY` holds them
+all. Adding an algorithm is its file (factory and settings), its textbook loop
+(``tests/textbook.py``), its docs page and the import below; the experiment configs, the
+comparison report and the shared tests read it from here. What an algorithm can do
+(:func:`capabilities`) is derived from what it builds, not declared.
 
 Example:
-  >>> cfg = OuterConfig(algorithm="co2", learning_rate=1.0, momentum=0.5)
-  >>> outer = build(validate(cfg), Context(sync_every=8))
-  >>> REGISTRY["co2"].capabilities.delayed, outer.overlapped
+  >>> s = settings("co2", learning_rate=1.0, momentum=0.5)
+  >>> outer = build(s.validate(), Context(sync_every=8))
+  >>> capabilities("co2").delayed, outer.overlapped
   (True, True)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import difflib
+import functools
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import optax
 
-from co2jax import penalties
-from co2jax.algorithms.co2 import MODES, co2
-from co2jax.algorithms.cocodc import CORRECTIONS, cocodc
-from co2jax.algorithms.data_parallel import data_parallel, no_sync
-from co2jax.algorithms.dct_diloco import dct_diloco
-from co2jax.algorithms.demo import demo
-from co2jax.algorithms.diloco import delayed_diloco, diloco, eager_diloco
-from co2jax.algorithms.diloco_x import diloco_x
-from co2jax.algorithms.error_feedback import error_feedback
-from co2jax.algorithms.guards import skip_nonfinite
-from co2jax.algorithms.local_sgd import local_sgd
-from co2jax.algorithms.noloco import noloco
-from co2jax.algorithms.outer_schedules import (
-    LR_SCHEDULES,
-    OPTIMIZERS,
-    learning_rate_schedule,
-    momentum_schedule,
-    outer_transform,
+# every algorithm's module registers its settings when imported
+from co2jax.algorithms import (  # noqa: F401
+    co2,
+    cocodc,
+    data_parallel,
+    dct_diloco,
+    demo,
+    diloco,
+    diloco_x,
+    local_sgd,
+    noloco,
+    slowmo,
+    sparseloco,
+    streaming_diloco,
 )
-from co2jax.algorithms.slowmo import slowmo
-from co2jax.algorithms.sparseloco import MODES as SPARSE_MODES
-from co2jax.algorithms.sparseloco import sparseloco
-from co2jax.algorithms.streaming_diloco import streaming_diloco
-from co2jax.comm import FORMATS, all_gather_compressed, all_reduce_compressed, make
-from co2jax.comm.dct import all_gather_dct_topk
-from co2jax.comm.lowrank import FACTORS
-from co2jax.comm.reducer import ring_bytes
-from co2jax.comm.sparse_quant import AVERAGES
-from co2jax.fragments import Fragments, make_fragments
-from co2jax.kernels.api import IMPLEMENTATIONS
-from co2jax.protocol import OuterOptimizer
-from co2jax.tree import tree_bytes
+from co2jax.algorithms.settings import (
+    COLLECTIVES,
+    COMPRESSIONS,
+    REGISTRY,
+    Bounds,
+    Compression,
+    Context,
+    Entry,
+    Fragmented,
+    Guard,
+    OuterStep,
+    Settings,
+    build,
+    fail,
+)
+from co2jax.axes import REPLICA, communicates
+from co2jax.protocol import resolve
 
-COMPRESSIONS = tuple(f for f in FORMATS if f != "topk")  # topk needs k and a chunk: SparseLoCo
-COLLECTIVES = ("all_gather", "two_step")  # how compressed payloads are reduced
-PENALTIES = ("none", "constant", "gap_aware")
+ORDER = (
+    "ddp",
+    "local_sgd",
+    "slowmo",
+    "diloco",
+    "delayed_diloco",
+    "eager_diloco",
+    "co2",
+    "streaming_diloco",
+    "sparseloco",
+    "dct_diloco",
+    "demo",
+    "cocodc",
+    "diloco_x",
+    "noloco",
+)
+NAMES = (*(n for n in ORDER if n in REGISTRY), *(n for n in REGISTRY if n not in ORDER))
+"""Every registered algorithm, in the order the reports list them (one not in ``ORDER``
+after those, in the order it registered)."""
 
-
-@dataclasses.dataclass(frozen=True)
-class OuterConfig:
-    """Every algorithm's hyper-parameters, by name (an algorithm reads the ones it has)."""
-
-    algorithm: str = "diloco"
-    learning_rate: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
-    optimizer: str = "sgd"  # the outer optax transform (outer_transform algorithms): sgd | adam
-    lr_schedule: str = "constant"  # by outer step: constant | cosine | linear
-    lr_warmup: int = 0  # outer steps of linear learning-rate warm-up from 0
-    lr_final: float = 0.0  # decayed learning rate at the last round, a fraction of the peak
-    momentum_warmup: int = 0  # outer steps of linear momentum ramp from 0
-    beta2: float = 0.99  # outer Adam's second-moment decay
-    # the outer lr and momentum as optimizer state, not constants of the compiled round:
-    # runs that differ only in them share one program (a sweep compiles once); not fused
-    lr_in_state: bool = False
-    delay: int = 1
-    clip_threshold: float | None = None
-    penalty: str = "none"
-    penalty_lambda: float = 1.0
-    gap_decay: float = 0.9
-    mode: str = "paper"
-    skip_nonfinite: bool = True
-    implementation: str = "auto"  # the fused outer update's: auto | pallas | interpret | xla
-    compression: str = "none"  # pseudo-gradients on the wire (compressible algorithms)
-    error_feedback: bool = False  # keep the compression residual per replica
-    collective: str = "all_gather"  # compressed: all_gather (exact mean) | two_step (RS + AG)
-    fragments: int = 2  # streaming_diloco: P
-    tau: int = 1  # streaming_diloco: inner steps between sending and applying a fragment
-    alpha: float = 0.5  # streaming_diloco: merge weight of the local values
-    decay: float = 0.95  # sparseloco: error-feedback decay
-    topk: int = 32  # sparseloco, dct_diloco, demo: values kept per chunk (production: 64)
-    chunk: int = 4096  # sparseloco: chunk size (production: of a 1-D tensor)
-    quantizer: str = "ternary"  # sparseloco: ternary | production (4 bins, 64x64 tiles)
-    average: str = "contributors"  # sparseloco production: contributors | replicas (1/R)
-    group_size: int = 2  # noloco: replicas per gossip group
-    dct_chunk: int = 64  # dct_diloco, demo: DCT chunk side (each axis: its largest divisor <=)
-    rank: int = 32  # diloco_x: rank of each matrix's pseudo-gradient on the wire
-    factors: str = "int4"  # diloco_x: the factors' format: float32 | bf16 | int4
-    correction: str = "zeroth"  # cocodc: none | zeroth | first (delay compensation)
-    hessian_scale: float = 0.5  # cocodc: lambda of the first-order correction
+__all__ = [
+    "COLLECTIVES",
+    "COMPRESSIONS",
+    "NAMES",
+    "REGISTRY",
+    "Bounds",
+    "Capabilities",
+    "Context",
+    "Entry",
+    "Settings",
+    "build",
+    "capabilities",
+    "inner",
+    "settings",
+    "unknown",
+]
 
 
-class Context(NamedTuple):
-    """What a builder may need beyond the config.
+def settings(algorithm: str, **fields: Any) -> Settings:
+    """``algorithm``'s settings with ``fields`` set (not yet validated). A field the
+    algorithm does not declare raises a one-line ``ValueError`` naming ``outer.<field>``."""
+    if algorithm not in REGISTRY:
+        fail("algorithm", algorithm, f"must be one of {NAMES}")
+    cls = REGISTRY[algorithm].settings
+    names = {f.name for f in dataclasses.fields(cls)}
+    for name, value in fields.items():
+        if name not in names:
+            fail(name, value, unknown(algorithm, name))
+    return cls(**fields)
 
-    Attributes:
-      sync_every: H.
-      params: the parameters or their shapes (Streaming DiLoCo's fragments).
-      inner_learning_rate: the inner schedule (a function of the inner step; SlowMo).
-      num_replicas: R, for a driver with no replica axis (separate jobs; eager updates).
-      fragmenter: ``fragmenter(params, count) -> Fragments`` (default: every leaf a layer).
-      rounds: the run's outer steps, for a decaying outer learning rate.
-    """
 
-    sync_every: int
-    params: Any = None
-    inner_learning_rate: Callable[[Any], Any] | None = None
-    num_replicas: int | None = None
-    fragmenter: Callable[[Any, int], Fragments] | None = None
-    rounds: int | None = None
+def unknown(algorithm: str, name: str) -> str:
+    """Why ``name`` cannot be set for ``algorithm`` (it declares no such setting), one line:
+    the algorithms that have it, or the nearest of its own."""
+    every = dict.fromkeys((*NAMES, *REGISTRY))  # one registered since the import: last
+    owners = [
+        n for n in every if name in {f.name for f in dataclasses.fields(REGISTRY[n].settings)}
+    ]
+    if owners:
+        return f"{algorithm} has no such setting (a setting of {', '.join(owners)})"
+    names = [f.name for f in dataclasses.fields(REGISTRY[algorithm].settings)]
+    near = difflib.get_close_matches(name, names, n=1)
+    hint = f"; did you mean outer.{near[0]}?" if near else ""
+    return f"{algorithm} has no such setting{hint} (its settings: {', '.join(names)})"
+
+
+def inner(s: Settings, transform: optax.GradientTransformation, learning_rate=None):
+    """The inner transform as ``s``'s algorithm runs it: ``transform`` itself, averaged
+    gradients first (DDP), or DeMo in its place (at ``learning_rate``, a number or a
+    schedule of the inner step)."""
+    wrap = REGISTRY[s.algorithm].inner
+    return transform if wrap is None else wrap(transform, s, learning_rate)
 
 
 class Capabilities(NamedTuple):
-    """What an algorithm does, in its default mode.
+    """What an algorithm does with its default settings, derived from what it builds
+    (:func:`capabilities`).
 
     Attributes:
-      delayed: sends its payload before the round's inner steps (they hide its reduction).
-      fusable: its outer step can run as the fused Pallas kernel (``implementation``).
-      compressible: takes ``compression`` (its payload is a pseudo-gradient to encode).
-      fragments: syncs parameter fragments (needs ``Context.params``).
-      every_step: communicates every inner step (DDP's gradients), not per round.
-      guardable: ``skip_nonfinite`` can wrap it (one transfer, replica-invariant anchor).
-      outer_transform: its outer step is an optax transform of the averaged pseudo-gradient,
-        so ``optimizer`` and the outer schedules apply.
-      gossip: exchanges with a group of replicas only, never all of them (no gather form:
-        it runs in the SPMD drivers, not as separate jobs).
+      delayed: sends a payload before the round's inner steps and applies it after them.
+      fusable: its outer step runs as the fused Pallas kernel on the replicas' gathered
+        payloads (a fused update behind an exact mean).
+      compressible: takes ``compression`` (its settings have the piece).
+      fragments: syncs parameter fragments, one transfer each.
+      every_step: its inner transform communicates over the replica axis every step.
+      guardable: ``skip_nonfinite`` guards it (its settings have the piece).
+      outer_transform: its outer step is an optax transform of the averaged pseudo-gradient.
+      gossip: its reducer reaches a group of replicas only.
     """
 
-    delayed: bool = False
-    fusable: bool = False
-    compressible: bool = False
-    fragments: bool = False
-    every_step: bool = False
-    guardable: bool = True
-    outer_transform: bool = False
-    gossip: bool = False
+    delayed: bool
+    fusable: bool
+    compressible: bool
+    fragments: bool
+    every_step: bool
+    guardable: bool
+    outer_transform: bool
+    gossip: bool
 
 
-class Entry(NamedTuple):
-    """``build(config, context, reduce) -> OuterOptimizer`` (``reduce``: the compressed
-    reducer, or None), its capabilities, a one-line summary and, for an algorithm that
-    communicates every step (DDP, DeMo), ``inner(transform, config, learning_rate)``: the
-    inner transform it runs in place of ``transform`` and ``step_bytes(config, params,
-    replicas)``, the bytes one replica sends per inner step."""
-
-    build: Callable[[OuterConfig, Context, Any], OuterOptimizer]
-    capabilities: Capabilities
-    summary: str
-    inner: Callable[[optax.GradientTransformation, OuterConfig, Any], Any] | None = None
-    step_bytes: Callable[[OuterConfig, Any, int], float] | None = None
+H = 8  # the round length the capabilities are read at (any H an algorithm takes)
 
 
-def _sgd(o: OuterConfig, c: Context):
-    """The outer transform ``o`` names (optax.sgd by default, runnable by the fused outer
-    update while nothing is scheduled), its hyper-parameters by outer step."""
-    lr = learning_rate_schedule(
-        o.learning_rate, o.lr_schedule, warmup=o.lr_warmup, rounds=c.rounds, final=o.lr_final
+@functools.cache
+def capabilities(algorithm: str) -> Capabilities:
+    """What ``algorithm`` does, read off the optimizer it builds with default settings on
+    stand-in parameters (one leaf per fragment) and off its inner transform (traced)."""
+    s = settings(algorithm)
+    leaves = {f"layer{i}": jax.ShapeDtypeStruct((8,), jnp.float32) for i in range(4)}
+    outer = build(s, Context(H, leaves, 0.1, num_replicas=2))
+    transfers = resolve(outer, H)
+    wrapped = inner(s, optax.sgd(0.1), 0.1)
+    state = jax.eval_shape(wrapped.init, leaves)
+    step = lambda g, st, p: wrapped.update(g, st, p)[0]
+    return Capabilities(
+        delayed=any(t.send == 0 and t.apply == H for t in transfers),
+        fusable=outer.fused and outer.reducer.exact,
+        compressible=isinstance(s, Compression),
+        fragments=isinstance(s, Fragmented) and len(transfers) > 1,
+        every_step=communicates(step, (leaves, state, leaves), REPLICA),
+        guardable=isinstance(s, Guard),
+        outer_transform=isinstance(s, OuterStep),
+        gossip=outer.reducer.reach == "group",
     )
-    momentum = momentum_schedule(o.momentum, o.momentum_warmup)
-    return outer_transform(
-        o.optimizer, lr, momentum, nesterov=o.nesterov, b2=o.beta2, in_state=o.lr_in_state
-    )
 
 
-def _slowmo(o: OuterConfig, c: Context, reduce) -> OuterOptimizer:
-    if c.inner_learning_rate is None:
-        raise ValueError("slowmo needs Context.inner_learning_rate (the inner schedule)")
-    lr = c.inner_learning_rate
-    gamma = (lambda t: lr(t * c.sync_every)) if callable(lr) else lr
-    return slowmo(gamma, o.learning_rate, o.momentum, reduce=reduce)
-
-
-def _co2(o: OuterConfig, c: Context, reduce) -> OuterOptimizer:
-    penalty = {
-        "none": None,
-        "constant": penalties.constant(o.penalty_lambda),
-        "gap_aware": penalties.gap_aware(o.gap_decay),
-    }[o.penalty]
-    clip = o.clip_threshold if o.mode == "paper" else None
-    return co2(
-        o.learning_rate, o.momentum, clip, penalty, o.mode, reduce=reduce,
-        implementation=o.implementation,
-    )  # fmt: skip
-
-
-def _fragments(o: OuterConfig, c: Context) -> Fragments:
-    if c.params is None:
-        raise ValueError(f"{o.algorithm} needs Context.params to cut into fragments")
-    fragmenter = c.fragmenter or (lambda params, count: make_fragments(params, count))
-    return fragmenter(c.params, o.fragments)
-
-
-def _streaming(o: OuterConfig, c: Context, reduce) -> OuterOptimizer:
-    frags = _fragments(o, c)
-    return streaming_diloco(_sgd(o, c), frags, c.sync_every, o.tau, o.alpha, reduce=reduce)
-
-
-def _cocodc(o: OuterConfig, c: Context, reduce) -> OuterOptimizer:
-    frags = _fragments(o, c)
-    return cocodc(
-        _sgd(o, c), frags, c.sync_every, o.tau, o.alpha, o.correction, o.hessian_scale,
-        reduce=reduce,
-    )  # fmt: skip
-
-
-def _demo(transform, o: OuterConfig, learning_rate):
-    del transform  # DeMo is the whole inner optimizer: sign steps at the inner learning rate
-    if learning_rate is None:
-        raise ValueError("demo needs the inner learning rate (registry.inner(..., learning_rate))")
-    return demo(learning_rate, o.momentum, o.topk, o.dct_chunk)
-
-
-_impl = lambda o: {"implementation": o.implementation}
-REGISTRY: dict[str, Entry] = {
-    "ddp": Entry(
-        lambda o, c, r: no_sync(), Capabilities(every_step=True, guardable=False),
-        "data-parallel baseline: gradients all-reduced every step",
-        inner=lambda transform, o, lr: data_parallel(transform),
-        step_bytes=lambda o, params, r: ring_bytes(tree_bytes(params), r),
-    ),
-    "local_sgd": Entry(
-        lambda o, c, r: local_sgd(reduce=r), Capabilities(), "periodic model averaging"
-    ),
-    "slowmo": Entry(_slowmo, Capabilities(), "slow momentum on periodic averaging"),
-    "diloco": Entry(
-        lambda o, c, r: diloco(_sgd(o, c), reduce=r, **_impl(o)),
-        Capabilities(fusable=True, compressible=True, outer_transform=True),
-        "outer Nesterov on pseudo-gradients",
-    ),
-    "delayed_diloco": Entry(
-        lambda o, c, r: delayed_diloco(_sgd(o, c), o.delay, reduce=r, **_impl(o)),
-        Capabilities(delayed=True, fusable=True, compressible=True, outer_transform=True),
-        "naive one-round delay",
-    ),
-    "eager_diloco": Entry(
-        lambda o, c, r: eager_diloco(
-            _sgd(o, c), o.delay, num_replicas=c.num_replicas, reduce=r, **_impl(o)
-        ),
-        Capabilities(delayed=True, fusable=True, guardable=False, outer_transform=True),
-        "eager updates",
-    ),
-    "co2": Entry(_co2, Capabilities(delayed=True, fusable=True), "CO2: stale outer momentum"),
-    "streaming_diloco": Entry(
-        _streaming,
-        Capabilities(compressible=True, fragments=True, guardable=False, outer_transform=True),
-        "DiLoCo one fragment at a time, overlapped by tau steps",
-    ),
-    "sparseloco": Entry(
-        lambda o, c, r: sparseloco(
-            o.learning_rate, o.decay, o.topk, o.chunk, mode=o.quantizer, average=o.average
-        ),
-        Capabilities(),
-        "top-k error feedback, 2-bit values, sparse all-gather",
-    ),
-    "dct_diloco": Entry(
-        lambda o, c, r: dct_diloco(o.learning_rate, o.decay, o.topk, o.dct_chunk),
-        Capabilities(guardable=False),
-        "replica-local DiLoCo sharing only the top-k DCT coefficients of its momentum",
-    ),
-    "demo": Entry(
-        lambda o, c, r: no_sync(), Capabilities(every_step=True, guardable=False),
-        "DeMo: sign steps on shared top-k DCT coefficients of a local momentum, every step",
-        inner=_demo,
-        step_bytes=lambda o, params, r: all_gather_dct_topk(o.topk, o.dct_chunk).wire_bytes(
-            params, r
-        ),
-    ),
-    "cocodc": Entry(
-        _cocodc,
-        Capabilities(compressible=True, fragments=True, guardable=False, outer_transform=True),
-        "Streaming DiLoCo with delay compensation at apply (a reconstruction)",
-    ),
-    "diloco_x": Entry(
-        lambda o, c, r: diloco_x(
-            _sgd(o, c), o.rank, o.factors, o.delay, skip_nonfinite=o.skip_nonfinite,
-            implementation=o.implementation,
-        ),
-        Capabilities(delayed=True, guardable=False, outer_transform=True),
-        "one-round-delayed DiLoCo on rank-r int4 pseudo-gradients (a reconstruction)",
-    ),
-    "noloco": Entry(
-        lambda o, c, r: noloco(o.learning_rate, o.momentum, o.group_size, sync_every=c.sync_every),
-        Capabilities(guardable=False, gossip=True),
-        "gossip outer steps in random groups of n: no all-reduce",
-    ),
-}  # fmt: skip
-NAMES = tuple(REGISTRY)
-
-
-def _fail(name: str, value: Any, why: str) -> None:
-    raise ValueError(f"outer.{name}={value!r}: {why}")
-
-
-def validate(o: OuterConfig, sync_every: int | None = None) -> OuterConfig:
-    """Checks every field that can be checked before building; returns ``o``."""
-    if o.algorithm not in REGISTRY:
-        _fail("algorithm", o.algorithm, f"must be one of {NAMES}")
-    caps = REGISTRY[o.algorithm].capabilities
-    if o.implementation not in IMPLEMENTATIONS:
-        _fail("implementation", o.implementation, f"must be one of {IMPLEMENTATIONS}")
-    if o.compression not in COMPRESSIONS:
-        _fail("compression", o.compression, f"must be one of {COMPRESSIONS}")
-    if o.compression != "none" and not caps.compressible:
-        compressible = tuple(n for n, e in REGISTRY.items() if e.capabilities.compressible)
-        _fail("compression", o.compression, f"applies to {compressible}")
-    if o.error_feedback and o.compression == "none":
-        _fail("error_feedback", o.error_feedback, "needs outer.compression")
-    if o.collective not in COLLECTIVES:
-        _fail("collective", o.collective, f"must be one of {COLLECTIVES}")
-    if o.optimizer not in OPTIMIZERS:
-        _fail("optimizer", o.optimizer, f"must be one of {OPTIMIZERS}")
-    if o.lr_schedule not in LR_SCHEDULES:
-        _fail("lr_schedule", o.lr_schedule, f"must be one of {LR_SCHEDULES}")
-    if o.lr_warmup < 0 or o.momentum_warmup < 0:
-        name = "lr_warmup" if o.lr_warmup < 0 else "momentum_warmup"
-        _fail(name, getattr(o, name), "must be >= 0 (outer steps)")
-    if not 0 <= o.lr_final <= 1:
-        _fail("lr_final", o.lr_final, "must be in [0, 1] (a fraction of learning_rate)")
-    if not 0 <= o.beta2 < 1:
-        _fail("beta2", o.beta2, "must be in [0, 1)")
-    if o.lr_in_state and o.implementation in ("pallas", "interpret"):
-        why = "outer hyper-parameters held in the state are not fused: implementation auto or xla"
-        _fail("lr_in_state", o.lr_in_state, f"{why} (implementation={o.implementation!r})")
-    default = OuterConfig()
-    if not caps.outer_transform:
-        names = ("optimizer", "lr_schedule", "lr_warmup", "lr_final", "momentum_warmup")
-        for name in (*names, "lr_in_state"):
-            if getattr(o, name) != getattr(default, name):
-                takes = tuple(n for n, e in REGISTRY.items() if e.capabilities.outer_transform)
-                _fail(name, getattr(o, name), f"applies to {takes}")
-    if o.quantizer not in SPARSE_MODES:
-        _fail("quantizer", o.quantizer, f"must be one of {SPARSE_MODES}")
-    if o.average not in AVERAGES:
-        _fail("average", o.average, f"must be one of {AVERAGES}")
-    if o.rank < 1:
-        _fail("rank", o.rank, "must be >= 1")
-    if o.factors not in FACTORS:
-        _fail("factors", o.factors, f"must be one of {FACTORS}")
-    if o.dct_chunk < 1:
-        _fail("dct_chunk", o.dct_chunk, "must be >= 1")
-    if o.correction not in CORRECTIONS:
-        _fail("correction", o.correction, f"must be one of {CORRECTIONS}")
-    if o.hessian_scale < 0:
-        _fail("hessian_scale", o.hessian_scale, "must be >= 0")
-    if o.group_size < 1:
-        _fail("group_size", o.group_size, "must be >= 1")
-    if o.fragments < 1:
-        _fail("fragments", o.fragments, "must be >= 1")
-    if caps.fragments and sync_every is not None and not 0 <= o.tau < sync_every // o.fragments:
-        _fail(
-            "tau",
-            o.tau,
-            f"must be in [0, sync_every // fragments) = [0, {sync_every // o.fragments})",
-        )
-    if not 0 <= o.alpha <= 1:
-        _fail("alpha", o.alpha, "must be in [0, 1]")
-    if o.penalty not in PENALTIES:
-        _fail("penalty", o.penalty, f"must be one of {PENALTIES}")
-    if o.mode not in MODES:
-        _fail("mode", o.mode, f"must be one of {MODES}")
-    if not o.learning_rate > 0:
-        _fail("learning_rate", o.learning_rate, "must be > 0")
-    if not 0 <= o.momentum < 1:
-        _fail("momentum", o.momentum, "must be in [0, 1)")
-    if o.delay < 1 and o.algorithm in ("delayed_diloco", "eager_diloco", "diloco_x"):
-        _fail("delay", o.delay, "must be >= 1 for delayed and eager DiLoCo")
-    if o.clip_threshold is not None and o.clip_threshold <= 0:
-        _fail("clip_threshold", o.clip_threshold, "must be > 0 or None")
-    if not 0 <= o.decay <= 1:
-        _fail("decay", o.decay, "must be in [0, 1]")
-    return o
-
-
-def build(o: OuterConfig, context: Context) -> OuterOptimizer:
-    """The outer optimizer ``o`` names, with its compression, error feedback and guard.
-
-    The guard (``skip_nonfinite``) goes inside error feedback: a skipped step keeps the
-    residual, which holds what the compressed payload left out.
-    """
-    validate(o, context.sync_every)
-    entry = REGISTRY[o.algorithm]
-    reduce = codec = None
-    if o.compression != "none":
-        kernels = (
-            {"implementation": o.implementation} if o.compression in ("int8", "fp4", "2bit") else {}
-        )
-        codec = make(o.compression, **kernels)
-        collective = {"all_gather": all_gather_compressed, "two_step": all_reduce_compressed}
-        reduce = collective[o.collective](codec)
-    outer = entry.build(o, context, reduce)
-    if o.skip_nonfinite and entry.capabilities.guardable:
-        outer = skip_nonfinite(outer)
-    if codec is not None and o.error_feedback:
-        outer = error_feedback(outer)
-    return outer
-
-
-def inner(o: OuterConfig, transform: optax.GradientTransformation, learning_rate=None):
-    """The inner transform as ``o``'s algorithm runs it: ``transform`` itself, averaged
-    gradients first (DDP), or DeMo in its place (at ``learning_rate``, a number or a schedule
-    of the inner step)."""
-    wrap = REGISTRY[o.algorithm].inner
-    return transform if wrap is None else wrap(transform, o, learning_rate)
+def names_where(flag: str) -> tuple[str, ...]:
+    """The registered algorithms whose capability ``flag`` is true."""
+    return tuple(n for n in NAMES if getattr(capabilities(n), flag))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -11,6 +12,7 @@ import optax
 
 from co2jax._checks import check_positive, check_unit_interval
 from co2jax.algorithms.pseudo_gradient import pseudo_gradient_method
+from co2jax.algorithms.settings import Guard, Settings, StepSize, register, setting
 from co2jax.axes import REPLICA
 from co2jax.comm.reducer import Reducer
 from co2jax.protocol import OuterOptimizer
@@ -109,3 +111,19 @@ def slowmo(
     beta = check_unit_interval("slow_momentum", slow_momentum)
     outer = optax.chain(scale_by_slow_momentum(inner_learning_rate, beta), optax.scale(-alpha))
     return pseudo_gradient_method(outer, axis_name=axis_name, reduce=reduce)
+
+
+@register("slow momentum on periodic averaging")
+@dataclasses.dataclass(frozen=True)
+class SlowMoSettings(Settings, StepSize, Guard):
+    """SlowMo's settings: the slow learning rate and momentum (the fast one is the inner
+    schedule, ``Context.inner_learning_rate``)."""
+
+    algorithm: str = setting("slowmo", "the algorithm")
+
+    def build(self, context, reduce) -> OuterOptimizer:
+        if context.inner_learning_rate is None:
+            raise ValueError("slowmo needs Context.inner_learning_rate (the inner schedule)")
+        lr = context.inner_learning_rate
+        gamma = (lambda t: lr(t * context.sync_every)) if callable(lr) else lr
+        return slowmo(gamma, self.learning_rate, self.momentum, reduce=reduce)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from co2jax._checks import check_choice, check_int, check_positive, check_unit_interval
 from co2jax.algorithms.diloco import diloco
 from co2jax.algorithms.error_feedback import error_feedback
 from co2jax.algorithms.fused import outer_sgd
+from co2jax.algorithms.settings import Guard, LearningRate, Settings, fail, register, setting
 from co2jax.axes import REPLICA
 from co2jax.comm import all_gather_topk, two_bit
 from co2jax.comm.sparse_quant import AVERAGES, all_gather_topk_quantized
@@ -129,3 +131,41 @@ def _production(k, chunk, quantize, tile: Any, clip, average, axis_name):
     return all_gather_topk_quantized(
         k, tile, chunk, average=average, clip=clip, axis_name=axis_name
     )
+
+
+@register("top-k error feedback, 2-bit values, sparse all-gather")
+@dataclasses.dataclass(frozen=True)
+class SparseLoCoSettings(Settings, LearningRate, Guard):
+    """SparseLoCo's settings (arXiv 2508.15706; the released quantizer, 2603.08163)."""
+
+    algorithm: str = setting("sparseloco", "the algorithm")
+    decay: float = setting(0.95, "the error-feedback decay, in [0, 1]")
+    topk: int = setting(32, "values kept per chunk (ternary: a multiple of 4)")
+    chunk: int = setting(4096, "the chunk size (production: of a 1-D tensor)")
+    quantizer: str = setting("ternary", "ternary, or the released 4-bin quantizer", MODES)
+    average: str = setting("contributors", "the production mean over contributors or 1/R", AVERAGES)
+
+    def check(self, bounds) -> None:
+        if not 0 <= self.decay <= 1:
+            fail("decay", self.decay, "must be in [0, 1]")
+        if self.quantizer == "ternary":
+            _within("chunk", self.chunk, 1, 65536)  # uint16 indices
+            _within("topk", self.topk, 1, self.chunk)
+            if self.topk % 4:
+                fail("topk", self.topk, "must be a multiple of 4 (2-bit values, 4 a byte)")
+        else:
+            _within("chunk", self.chunk, 1, 4096)  # 12-bit indices
+            _within("topk", self.topk, 2, min(self.chunk, 4096))
+            if self.topk % 2:
+                fail("topk", self.topk, "must be even in the production quantizer")
+
+    def build(self, context, reduce) -> OuterOptimizer:
+        return sparseloco(
+            self.learning_rate, self.decay, self.topk, self.chunk, mode=self.quantizer,
+            average=self.average,
+        )  # fmt: skip
+
+
+def _within(name: str, value: int, lo: int, hi: int) -> None:
+    if not lo <= value <= hi:
+        fail(name, value, f"must be in [{lo}, {hi}]")

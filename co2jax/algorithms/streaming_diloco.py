@@ -32,6 +32,7 @@ fragment, computed from the payload actually sent).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -39,6 +40,14 @@ import jax.numpy as jnp
 import optax
 
 from co2jax._checks import check_axis_name, check_int, check_transform, check_unit_interval
+from co2jax.algorithms.settings import (
+    Compression,
+    Fragmented,
+    OuterStep,
+    Settings,
+    register,
+    setting,
+)
 from co2jax.axes import REPLICA
 from co2jax.comm.reducer import Reducer, as_reducer
 from co2jax.fragments import Fragments
@@ -153,3 +162,17 @@ def streaming_diloco(
     return OuterOptimizer(
         init, send, reducer, apply, schedule(sync_every, count, tau), period=sync_every
     )
+
+
+@register("DiLoCo one fragment at a time, overlapped by tau steps")
+@dataclasses.dataclass(frozen=True)
+class StreamingDiLoCoSettings(Settings, OuterStep, Fragmented, Compression):
+    """Streaming DiLoCo's settings: the outer transform, the fragments, compression."""
+
+    algorithm: str = setting("streaming_diloco", "the algorithm")
+
+    def build(self, context, reduce) -> OuterOptimizer:
+        return streaming_diloco(
+            self.transform(context), self.cut(context), context.sync_every, self.tau,
+            self.alpha, reduce=reduce,
+        )  # fmt: skip

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from co2jax.axes import COLLECTIVES
+from co2jax.axes import collectives_in
 from co2jax.mesh import replica_map
 from co2jax.protocol import roles_of
 
@@ -201,21 +201,6 @@ def dylu_steps(steps: int, step_times, min_steps: int = 5, grid: int = 1) -> lis
     return out
 
 
-def replica_collectives(jaxpr, axis: str) -> int:
-    """How many collectives over ``axis`` a traced program holds (sub-programs included)."""
-    found = 0
-    for eqn in jaxpr.eqns:
-        names = eqn.params.get("axes", eqn.params.get("axis_name", ()))
-        names = names if isinstance(names, tuple | list) else (names,)
-        found += axis in names and eqn.primitive.name in COLLECTIVES
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += replica_collectives(inner, axis)
-    return found
-
-
 def check_inner_is_local(inner, params, mesh, axis: str) -> None:
     """Raises ``ValueError`` when ``inner``'s update communicates over ``axis`` (DDP's
     gradient mean, DeMo's every-step exchange): separate jobs have no such axis between
@@ -224,7 +209,7 @@ def check_inner_is_local(inner, params, mesh, axis: str) -> None:
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *np.shape(x)), x.dtype), params)
     state = jax.eval_shape(jax.vmap(inner.init), shapes)
     step = replica_map(lambda g, s, p: inner.update(g, s, p)[0], mesh)
-    if replica_collectives(jax.make_jaxpr(step)(shapes, state, shapes).jaxpr, axis):
+    if collectives_in(jax.make_jaxpr(step)(shapes, state, shapes).jaxpr, axis):
         raise ValueError(
             f"the inner transform communicates over {axis!r} every step (data-parallel "
             "gradients, DeMo): separate jobs exchange only at the outer schedule's transfers, "

@@ -1,0 +1,372 @@
+"""Algorithm settings: each algorithm's own frozen config, made of shared pieces, registered once.
+
+An algorithm declares its settings beside its factory, as a frozen dataclass made of the
+shared pieces it takes (:class:`OuterStep`: the outer optax transform and its schedules;
+:class:`Compression`; :class:`Fused`; :class:`Guard`; :class:`Delay`; :class:`Fragmented`;
+:class:`DCTTopK`)
+and its own fields, each with a type, a default and a one-line description
+(:func:`setting`). Its ``check`` method holds its own rules; ``build`` makes the
+:class:`~co2jax.OuterOptimizer`. One decorator registers it (:func:`register`): the
+experiments' ``outer`` section is that dataclass, so a setting the algorithm does not declare
+cannot be set.
+
+:meth:`Settings.validate` runs every piece's ``check`` and the choices of every field, once,
+where a run's config is loaded; :func:`build` adds the compressed reducer, the guard and error
+feedback and does not validate again (the library factories keep their argument checks).
+
+Example:
+  >>> from co2jax.algorithms import registry
+  >>> s = registry.settings("co2", learning_rate=1.0, clip_threshold=0.5)
+  >>> s.validate(Bounds(sync_every=8)).clip_threshold
+  0.5
+  >>> registry.settings("co2", delay=2)
+  Traceback (most recent call last):
+  ...
+  ValueError: outer.delay=2: co2 has no such setting (a setting of ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optax
+
+from co2jax.algorithms.error_feedback import error_feedback
+from co2jax.algorithms.guards import skip_nonfinite
+from co2jax.algorithms.outer_schedules import (
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    learning_rate_schedule,
+    momentum_schedule,
+    outer_transform,
+)
+from co2jax.comm import FORMATS, all_gather_compressed, all_reduce_compressed, make
+from co2jax.fragments import Fragments, make_fragments
+from co2jax.kernels.api import IMPLEMENTATIONS
+from co2jax.protocol import OuterOptimizer
+
+COMPRESSIONS = tuple(f for f in FORMATS if f != "topk")  # topk needs k and a chunk: SparseLoCo
+COLLECTIVES = ("all_gather", "two_step")  # how compressed payloads are reduced
+
+
+def setting(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """A settings field: its default, its one-line description (``--help`` shows it) and,
+    for a string, the values it takes (checked by :meth:`Settings.validate`)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+def fail(name: str, value: Any, why: str) -> None:
+    """Raises the one-line ``ValueError`` every check raises: ``outer.<name>=<value>: why``."""
+    raise ValueError(f"outer.{name}={value!r}: {why}")
+
+
+class Bounds(NamedTuple):
+    """What the rest of a run fixes, for the checks that depend on it (``None``: unknown,
+    not checked): H, the run's rounds, the replicas, the model's layers."""
+
+    sync_every: int | None = None
+    rounds: int | None = None
+    replicas: int | None = None
+    layers: int | None = None
+
+
+class Context(NamedTuple):
+    """What a builder may need beyond the settings.
+
+    Attributes:
+      sync_every: H.
+      params: the parameters or their shapes (Streaming DiLoCo's fragments).
+      inner_learning_rate: the inner schedule (a function of the inner step; SlowMo).
+      num_replicas: R, for a driver with no replica axis (separate jobs; eager updates).
+      fragmenter: ``fragmenter(params, count) -> Fragments`` (default: every leaf a layer).
+      rounds: the run's outer steps, for a decaying outer learning rate.
+    """
+
+    sync_every: int
+    params: Any = None
+    inner_learning_rate: Callable[[Any], Any] | None = None
+    num_replicas: int | None = None
+    fragmenter: Callable[[Any, int], Fragments] | None = None
+    rounds: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The base of every algorithm's settings (the registered name in ``algorithm``)."""
+
+    algorithm: str = setting("", "the algorithm these settings are for")
+
+    def check(self, bounds: Bounds) -> None:
+        """This class's own rules (each piece and each algorithm defines its own)."""
+
+    def validate(self, bounds: Bounds | None = None) -> Settings:
+        """Every field's choices, then every piece's ``check`` (base pieces first); returns
+        ``self``. Raises a one-line ``ValueError`` naming ``outer.<field>``."""
+        bounds = Bounds() if bounds is None else bounds
+        if self.algorithm not in REGISTRY or REGISTRY[self.algorithm].settings is not type(self):
+            fail("algorithm", self.algorithm, f"must be one of {tuple(REGISTRY)}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                fail(f.name, getattr(self, f.name), f"must be one of {choices}")
+        for cls in reversed(type(self).__mro__):
+            if "check" in cls.__dict__:
+                cls.__dict__["check"](self, bounds)
+        return self
+
+    def build(self, context: Context, reduce: Any) -> OuterOptimizer:
+        """The outer optimizer (``reduce``: the compressed reducer, or ``None``)."""
+        raise NotImplementedError(f"{type(self).__name__} builds nothing")
+
+    def unless(self, name: str, read: bool, when: str) -> None:
+        """Refuses ``name`` set away from its default where it is not ``read``."""
+        value = getattr(self, name)
+        default = next(f.default for f in dataclasses.fields(self) if f.name == name)
+        if not read and value != default:
+            fail(name, value, f"ignored unless {when}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the shared pieces
+
+
+@dataclasses.dataclass(frozen=True)
+class LearningRate:
+    """The outer step's learning rate."""
+
+    learning_rate: float = setting(0.7, "the outer learning rate")
+
+    def check(self, bounds: Bounds) -> None:
+        if not self.learning_rate > 0:
+            fail("learning_rate", self.learning_rate, "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSize(LearningRate):
+    """A learning rate and a momentum of the outer step."""
+
+    momentum: float = setting(0.9, "the outer momentum, in [0, 1)")
+
+    def check(self, bounds: Bounds) -> None:
+        if not 0 <= self.momentum < 1:
+            fail("momentum", self.momentum, "must be in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterStep(StepSize):
+    """The outer step as an optax transform of the averaged pseudo-gradient, with schedules
+    by outer step (:func:`co2jax.outer_transform`)."""
+
+    nesterov: bool = setting(True, "Nesterov momentum (SGD)")
+    optimizer: str = setting("sgd", "the outer optax transform", OPTIMIZERS)
+    lr_schedule: str = setting("constant", "the learning rate by outer step", LR_SCHEDULES)
+    lr_warmup: int = setting(0, "outer steps of linear learning-rate warm-up from 0")
+    lr_final: float = setting(0.0, "the decayed learning rate at the last round (a fraction)")
+    momentum_warmup: int = setting(0, "outer steps of linear momentum ramp from 0")
+    beta2: float = setting(0.99, "outer Adam's second-moment decay (optimizer adam)")
+    lr_in_state: bool = setting(
+        False, "learning rate and momentum as optimizer state: one program for a sweep of them"
+    )
+
+    def check(self, bounds: Bounds) -> None:
+        for name in ("lr_warmup", "momentum_warmup"):
+            if getattr(self, name) < 0:
+                fail(name, getattr(self, name), "must be >= 0 (outer steps)")
+        if not 0 <= self.lr_final <= 1:
+            fail("lr_final", self.lr_final, "must be in [0, 1] (a fraction of learning_rate)")
+        if not 0 <= self.beta2 < 1:
+            fail("beta2", self.beta2, "must be in [0, 1)")
+        self.unless("beta2", self.optimizer == "adam", "outer.optimizer is 'adam'")
+        implementation = getattr(self, "implementation", "auto")
+        if self.lr_in_state and implementation in ("pallas", "interpret"):
+            why = "outer hyper-parameters held in the state are not fused"
+            fail("lr_in_state", self.lr_in_state, f"{why} (implementation={implementation!r})")
+        if (
+            bounds.rounds is not None
+            and self.lr_schedule != "constant"
+            and self.lr_warmup >= bounds.rounds
+        ):
+            fail(
+                "lr_warmup",
+                self.lr_warmup,
+                f"must be < train.rounds={bounds.rounds} (the outer learning rate decays until "
+                "then)",
+            )
+
+    def transform(self, context: Context) -> optax.GradientTransformation:
+        """The outer optax transform these settings name (``optax.sgd`` by default, which
+        the fused outer update runs while nothing is scheduled)."""
+        lr = learning_rate_schedule(
+            self.learning_rate,
+            self.lr_schedule,
+            warmup=self.lr_warmup,
+            rounds=context.rounds,
+            final=self.lr_final,
+        )
+        momentum = momentum_schedule(self.momentum, self.momentum_warmup)
+        return outer_transform(
+            self.optimizer,
+            lr,
+            momentum,
+            nesterov=self.nesterov,
+            b2=self.beta2,
+            in_state=self.lr_in_state,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Compression:
+    """Pseudo-gradients compressed on the wire (:mod:`co2jax.comm`)."""
+
+    compression: str = setting("none", "the payload's format on the wire", COMPRESSIONS)
+    collective: str = setting(
+        "all_gather", "a compressed payload's collective (two_step: RS + AG)", COLLECTIVES
+    )
+    error_feedback: bool = setting(False, "keep what compression left out, per replica")
+
+    def check(self, bounds: Bounds) -> None:
+        if self.error_feedback and self.compression == "none":
+            fail("error_feedback", self.error_feedback, "needs outer.compression")
+        self.unless("collective", self.compression != "none", "outer.compression is set")
+
+    def reducer(self) -> Any:
+        """The compressed reducer, or ``None`` (the algorithm's exact mean)."""
+        if self.compression == "none":
+            return None
+        kernels = {}
+        if self.compression in ("int8", "fp4", "2bit"):
+            kernels = {"implementation": getattr(self, "implementation", "auto")}
+        codec = make(self.compression, **kernels)
+        collective = {"all_gather": all_gather_compressed, "two_step": all_reduce_compressed}
+        return collective[self.collective](codec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """The fused outer update's implementation (:mod:`co2jax.kernels`)."""
+
+    implementation: str = setting(
+        "auto", "the fused outer update: auto, pallas, interpret or xla", IMPLEMENTATIONS
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Guard:
+    """:func:`co2jax.skip_nonfinite` around the algorithm."""
+
+    skip_nonfinite: bool = setting(True, "skip a non-finite outer step (and recover)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Delay:
+    """Rounds between producing a pseudo-gradient and applying its average."""
+
+    delay: int = setting(1, "rounds of delay (>= 1)")
+
+    def check(self, bounds: Bounds) -> None:
+        if self.delay < 1:
+            fail("delay", self.delay, "must be >= 1")
+        if bounds.rounds is not None and self.delay >= bounds.rounds:
+            fail(
+                "delay",
+                self.delay,
+                f"must be < train.rounds={bounds.rounds} (a round's average is applied "
+                "outer.delay rounds later: none would arrive)",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Fragmented:
+    """Parameter fragments synced one at a time, each overlapped by ``tau`` steps."""
+
+    fragments: int = setting(2, "P, the fragments (whole transformer blocks each)")
+    tau: int = setting(1, "inner steps between sending and applying a fragment")
+    alpha: float = setting(0.5, "the merge weight of the local values")
+
+    def check(self, bounds: Bounds) -> None:
+        if self.fragments < 1:
+            fail("fragments", self.fragments, "must be >= 1")
+        H = bounds.sync_every
+        if H is not None and not 0 <= self.tau < H // self.fragments:
+            span = f"[0, {H // self.fragments})"
+            fail("tau", self.tau, f"must be in [0, sync_every // fragments) = {span}")
+        if not 0 <= self.alpha <= 1:
+            fail("alpha", self.alpha, "must be in [0, 1]")
+        if bounds.layers is not None and self.fragments > bounds.layers:
+            fail(
+                "fragments",
+                self.fragments,
+                f"must be <= model.n_layers={bounds.layers} (a fragment is whole transformer "
+                "blocks)",
+            )
+
+    def cut(self, context: Context) -> Fragments:
+        """The parameters (``context.params``) cut into ``fragments``."""
+        if context.params is None:
+            raise ValueError(f"{self.algorithm} needs Context.params to cut into fragments")
+        fragmenter = context.fragmenter or (lambda params, count: make_fragments(params, count))
+        return fragmenter(context.params, self.fragments)
+
+
+@dataclasses.dataclass(frozen=True)
+class DCTTopK:
+    """A momentum shared as its top-k DCT coefficients per chunk (:mod:`co2jax.comm.dct`)."""
+
+    topk: int = setting(32, "DCT coefficients kept per chunk (>= 1)")
+    dct_chunk: int = setting(64, "the DCT chunk side (each axis: its largest divisor <=)")
+
+    def check(self, bounds: Bounds) -> None:
+        for name in ("topk", "dct_chunk"):
+            if getattr(self, name) < 1:
+                fail(name, getattr(self, name), "must be >= 1")
+
+
+# ---------------------------------------------------------------------------------------------
+# the registry
+
+
+class Entry(NamedTuple):
+    """A registered algorithm: its settings class, a one-line summary and, for one that
+    replaces or wraps the inner transform (DDP, DeMo), ``inner(transform, settings,
+    learning_rate)`` and ``step_bytes(settings, params, replicas)`` (bytes one replica sends
+    per inner step)."""
+
+    settings: type
+    summary: str
+    inner: Callable | None = None
+    step_bytes: Callable | None = None
+
+
+REGISTRY: dict[str, Entry] = {}
+
+
+def register(summary: str, *, inner: Callable | None = None, step_bytes: Callable | None = None):
+    """Registers a settings class under the default of its ``algorithm`` field."""
+
+    def wrap(cls: type) -> type:
+        name = next(f.default for f in dataclasses.fields(cls) if f.name == "algorithm")
+        if not name or name in REGISTRY:
+            raise ValueError(f"{cls.__name__}: algorithm={name!r} is empty or taken")
+        REGISTRY[name] = Entry(cls, summary, inner, step_bytes)
+        return cls
+
+    return wrap
+
+
+def build(settings: Settings, context: Context) -> OuterOptimizer:
+    """The outer optimizer ``settings`` name, with the compressed reducer, the guard and
+    error feedback where the settings ask for them (validated where they were loaded:
+    :meth:`Settings.validate`).
+
+    The guard (``skip_nonfinite``) goes inside error feedback: a skipped step keeps the
+    residual, which holds what the compressed payload left out.
+    """
+    reduce = settings.reducer() if isinstance(settings, Compression) else None
+    outer = settings.build(context, reduce)
+    if isinstance(settings, Guard) and settings.skip_nonfinite and not outer.recovers_nonfinite:
+        outer = skip_nonfinite(outer)
+    if reduce is not None and settings.error_feedback:
+        outer = error_feedback(outer)
+    return outer
