@@ -227,3 +227,26 @@ def test_unspread_sync_waits_for_the_gradients(problem):
 def test_spread_needs_a_delayed_algorithm():
     with pytest.raises(ValueError, match="spread=True needs a transfer sent before"):
         co2jax.local_updates(optax.sgd(LR), co2jax.local_sgd(), H, spread=True)
+
+
+@pytest.mark.parametrize("name", co2jax.registry.NAMES)
+def test_a_step_that_donates_params_and_state_runs(name):
+    """``jax.jit(step, donate_argnums=(0, 1))``, optax's usual pattern: the adapter's state
+    holds no buffer of the parameters (an anchor is its own copy), so nothing is donated
+    twice (XLA refuses that on every backend)."""
+    problem = tb.make_problem(replicas=2, examples=2, dim=5, seed=1)
+    outer, inner = harness.registered(name, problem, LR, tb.REGISTERED_H)
+    tx = co2jax.local_updates(inner, outer, sync_every=tb.REGISTERED_H)
+    params = harness.initial_params(problem)  # two replicas, stacked
+    state = jax.vmap(tx.init, axis_name=co2jax.REPLICA)(params)
+    mine = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(params)}
+    assert not mine & {x.unsafe_buffer_pointer() for x in jax.tree.leaves(state)}
+
+    def one(params, state):
+        updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+        return optax.apply_updates(params, updates), state
+
+    donated = jax.jit(jax.vmap(one, axis_name=co2jax.REPLICA), donate_argnums=(0, 1))
+    for _ in range(tb.REGISTERED_H + 1):  # through a sync
+        params, state = donated(params, state)
+    assert np.isfinite(harness.flatten(params)).all()

@@ -39,6 +39,7 @@ import math
 import numbers
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -194,8 +195,10 @@ def cocodc(
     def init(params: Params) -> CoCoDCState:
         inner = streaming.init(params)
         sent = ()
-        if keeps_sent:  # the initial values: every apply is preceded by its send
-            sent = tuple(fragments.take(params, p) for p in range(fragments.count))
+        if keeps_sent:  # the initial values: every apply is preceded by its send; copies,
+            # not the anchor's buffers (a donated state must hold no buffer twice)
+            taken = (fragments.take(params, p) for p in range(fragments.count))
+            sent = tuple(jax.tree.map(jnp.copy, t) for t in taken)
         return CoCoDCState(inner, sent)
 
     def send(params: Params, state: CoCoDCState, p: int):

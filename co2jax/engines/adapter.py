@@ -125,7 +125,10 @@ def local_updates(
         return [payload_shapes(outer, params, outer_state, i) for i in range(len(run))]
 
     def init(params: optax.Params) -> LocalUpdatesState:
-        outer_state = outer.init(params)
+        # the outer state keeps its own copy of the parameters (an anchor is the parameters
+        # at init): a step that donates both, jax.jit(step, donate_argnums=(0, 1)), must not
+        # be handed one buffer twice
+        outer_state = outer.init(jax.tree.map(jnp.copy, params))
         inflight, shapes = [], payloads(params, outer_state)
         for t, payload in zip(run, shapes, strict=True):
             if t.send == t.apply:
