@@ -34,7 +34,7 @@ from co2jax import compilation_cache
 from co2jax.algorithms import registry
 from co2jax.fragments import make_fragments
 from experiments import checkpoints as ckpt_lib
-from experiments import checks, round_stats, rundir
+from experiments import checks, round_stats, rundir, xla_flags
 from experiments import config as config_lib
 from experiments import data as data_lib
 from experiments import model as model_lib
@@ -42,8 +42,10 @@ from experiments.rundir import Diverged, Interrupted, RunError
 
 
 def setup_devices(cfg: config_lib.Config) -> None:
-    """On CPU, emulate as many devices as the mesh needs (before JAX starts a backend:
-    importing JAX, co2jax and the experiment modules starts none)."""
+    """On CPU, emulate as many devices as the mesh needs; on GPU, ask XLA to overlap the
+    outer reduction with the inner steps (:mod:`experiments.xla_flags`). Before JAX starts a
+    backend: importing JAX, co2jax and the experiment modules starts none."""
+    xla_flags.apply()
     if (jax.config.jax_platforms or "cpu") == "cpu" and jax.config.jax_num_cpu_devices < 1:
         sizes = [s for s in (cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model) if s > 0]
         jax.config.update("jax_num_cpu_devices", max(8, math.prod(sizes)))

@@ -4,14 +4,15 @@
 
 - ``"xla"``: :func:`~co2jax.kernels.reference.outer_update_reference` leaf by leaf; XLA fuses
   it (on TPU the plain update already reaches the minimum bytes; ``docs/kernels.md``).
-- ``"pallas"``: the kernel compiled for the target backend (Mosaic on TPU, Triton on GPU).
+- ``"pallas"``: the kernel compiled for the target backend (Mosaic on TPU). Refused on GPU
+  (Triton: traced under jit it disagreed with the reference on an H200, ``docs/kernels.md``).
   Where the kernel raises ``NotImplementedError`` (no lowering for the backend, an unsupported
   dtype) the reference runs instead, with a warning.
 - ``"interpret"``: the kernel under Pallas' interpreter (any backend; for tests and debugging).
 - ``"auto"``: the kernel where it was measured to move fewer bytes than XLA: on TPU for R >= 2
   gathered payloads (1.00x the minimum against XLA's 1.19-1.24x, ``docs/kernels.md``); the
   reference everywhere else (CPU; TPU with a reduced payload, where XLA already reaches the
-  minimum; GPU, not measured yet).
+  minimum; GPU, where XLA was faster, measured on an H200).
 
 The target backend is the ``backend`` argument of each entry point, else the platform of the
 mesh the program is traced on (:func:`current_backend`): the engines trace their rounds on
@@ -35,6 +36,7 @@ from co2jax.kernels.spec import LANES, BlockSizes, OuterUpdateSpec, default_bloc
 
 IMPLEMENTATIONS = ("auto", "pallas", "interpret", "xla")
 LOWERED = ("tpu", "gpu", "cuda", "rocm")  # backends Pallas compiles for (Mosaic, Triton)
+GPU_BACKENDS = ("gpu", "cuda", "rocm")  # the fused update refuses "pallas" there
 _SUPPORTED = {np.dtype(jnp.float32), np.dtype(jnp.bfloat16)}
 
 
@@ -62,9 +64,12 @@ def resolve(implementation: str, replicas: int | None = None, backend: str | Non
 
     ``"auto"`` is the Pallas kernel on TPU where it was measured to beat XLA: an encoding pass
     (``replicas=None``) or a pass that reduces ``replicas >= 2`` payloads; ``"xla"`` elsewhere
-    (CPU; GPU, not measured yet; a single reduced payload, where XLA's fusion already reaches
-    the minimum bytes). ``"pallas"`` on a backend without a Pallas lowering runs the jnp
-    reference, with a warning. ``"interpret"`` and ``"xla"`` are returned as they are.
+    (CPU; GPU, where XLA moved 1.1-2.1x the kernel's GB/s on an H200 at 1e8 parameters; a
+    single reduced payload, where XLA's fusion already reaches the minimum bytes).
+    (:func:`outer_update` refuses ``"pallas"`` on GPU: its Triton kernel traced under jit
+    disagreed with the reference there; cause not established.) ``"pallas"`` on a backend
+    without a Pallas lowering runs the jnp reference, with a warning.
+    ``"interpret"`` and ``"xla"`` are returned as they are.
     """
     check_implementation(implementation)
     backend = backend or current_backend()
@@ -146,6 +151,12 @@ def outer_update(
     replicas = payload.replicas if isinstance(payload, Gathered) else 1
     backend = backend or current_backend()
     impl = resolve(implementation, replicas, backend)
+    if impl == "pallas" and backend in GPU_BACKENDS:
+        raise ValueError(
+            "implementation='pallas': on GPU the fused update's Triton kernel, traced under "
+            "jit, disagrees with the reference (measured on an H200, jax 0.11.2; "
+            "docs/kernels.md, GPU); use 'xla' (what 'auto' runs there)"
+        )
     trees = dict(
         anchor=anchor, momentum=momentum, params=params, old_pending=old_pending, gap=gap_scale
     )

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -246,3 +250,40 @@ def run_adapter(outer, inner, problem: Problem, H: int, rounds: int, mesh=None) 
         if (i + 1) % H == 0:
             out.append(np.asarray(flatten(args[0]), np.float64))
     return np.stack(out)
+
+
+def ephemeral_low() -> int:
+    """The first port the kernel hands out for outgoing connections (32768 if unknown)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port_blocks(count: int, width: int, seed: int | None = None) -> list[int]:
+    """``count`` ports p with p .. p + width - 1 all free (a block per job, e.g. one port for
+    each algorithm a worker runs), below the ephemeral range: a worker binds a port some time
+    after it was found free, and meanwhile an outgoing connection's port is drawn from the
+    ephemeral range (a block inside it was taken that way in CI: "bind: Address already in
+    use")."""
+    rng = np.random.default_rng(seed)
+    high = ephemeral_low() - width
+    found: list[int] = []
+    taken: set[int] = set()
+    for _ in range(10_000):
+        if len(found) == count:
+            return found
+        port = int(rng.integers(10_000, high))
+        block = set(range(port, port + width))
+        if block & taken:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for q in block:
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", q))
+        except OSError:
+            continue
+        found.append(port)
+        taken |= block
+    raise RuntimeError(f"no {count} free blocks of {width} ports below {high + width}")

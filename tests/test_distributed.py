@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,9 +35,7 @@ TESTS = Path(__file__).resolve().parent
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return harness.free_port_blocks(1, 1)[0]  # below the ephemeral range
 
 
 def _logs(log_dir: Path) -> str:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -368,3 +371,21 @@ def test_mesh_model_must_divide_what_tensor_parallelism_splits():
     )
     with pytest.raises(ValueError, match=r"mesh\.model=8: must divide .*n_heads=4"):
         train.build(cfg)
+
+
+def test_the_gpu_flags_exist_in_this_jaxlib():
+    """XLA refuses an unknown flag when its backend starts: each flag the experiments set
+    starts one (any backend parses every xla_gpu_* flag)."""
+    from experiments import xla_flags
+
+    for flag in xla_flags.GPU_FLAGS:
+        env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+        proc = subprocess.run(
+            [sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
+            text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, (flag, proc.stderr[-300:])
+    bad = {**os.environ, "XLA_FLAGS": "--xla_gpu_no_such_flag=true", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=bad,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and "Unknown flag" in proc.stderr  # the check can fail

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,34 +25,17 @@ TESTS = Path(__file__).parent
 TIMEOUT_S = 240
 
 
-def _free_port_blocks(count: int, width: int) -> list[int]:
-    """``count`` ports p with p .. p + width - 1 all free (a block per job: one port for
-    each algorithm the worker runs)."""
-    found: list[int] = []
-    taken: set[int] = set()
-    while len(found) < count:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        block = set(range(port, port + width))
-        if port + width >= 65536 or block & taken:
-            continue
-        try:
-            with contextlib.ExitStack() as stack:
-                for q in range(port + 1, port + width):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", q))
-        except OSError:
-            continue
-        found.append(port)
-        taken |= block
-    return found
+def test_port_blocks_are_free_disjoint_and_below_the_ephemeral_range():
+    blocks = harness.free_port_blocks(3, 16, seed=0)
+    assert len(blocks) == 3 and all(p + 16 <= harness.ephemeral_low() for p in blocks)
+    spans = [set(range(p, p + 16)) for p in blocks]
+    assert not (spans[0] & spans[1] or spans[0] & spans[2] or spans[1] & spans[2])
 
 
 def launch(out_dir: Path, modes: dict[int, str]) -> dict[int, int]:
     """Starts one worker per rank in ``modes``; returns their exit codes (killed at the
     deadline: a test never hangs)."""
-    blocks = _free_port_blocks(worker.REPLICAS, len(worker.algorithms()))
+    blocks = harness.free_port_blocks(worker.REPLICAS, len(worker.algorithms()))
     addresses = ",".join(f"127.0.0.1:{p}" for p in blocks)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     procs = {}
