@@ -198,10 +198,13 @@ def main(args) -> None:
         f"{100 * max(spread.values()):.0f}% of the median. round() host-side checks and batch "
         f"placement: {1e3 * C.median(check):.2f} ms per call (included above)."
     )
-    print(
-        "XLA:CPU runs collectives synchronously and the 8 devices share the host's cores: "
-        "these ratios are per-step program overhead, not communication hiding."
-    )
+    if jax.default_backend() == "cpu":
+        print(
+            "XLA:CPU runs collectives synchronously and the emulated devices share the host's "
+            "cores: these ratios are per-step program overhead, not communication hiding."
+        )
+    else:
+        print(f"measured on {jax.devices()[0].device_kind} ({jax.device_count()} devices)")
 
 
 def _advance(trainer, held, batch):

@@ -2,6 +2,7 @@
 its slow tests and the cases its grids do not keep run with -m slow only, and the kept cases
 run by default."""
 
+import functools
 import re
 import subprocess
 import sys
@@ -13,15 +14,18 @@ from conftest import function_of, read_budget
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _collected(markexpr: str) -> set[str]:
+@functools.cache  # the tests below share collections (each takes seconds)
+def _collected(markexpr: str | None) -> frozenset[str]:
+    """Node ids collected under ``-m markexpr`` (``None``: no -m, every test)."""
+    select = [] if markexpr is None else ["-m", markexpr]
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", markexpr],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", *select],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    return {line for line in out.splitlines() if "::" in line}
+    return frozenset(line for line in out.splitlines() if "::" in line)
 
 
 def test_every_budget_name_is_a_test_and_lands_on_its_side():
@@ -72,7 +76,7 @@ def test_ci_runs_every_test_and_every_inherited_check_of_every_algorithm():
     exprs = _ci_markexprs()
     assert "not slow" in exprs and "slow" in exprs, exprs
     ran = set().union(*(_collected(e) for e in exprs))
-    everything = _collected("slow or not slow")
+    everything = _collected(None)
     assert everything <= ran, sorted(everything - ran)[:10]
     cases: dict[str, dict[str, set[str]]] = {}  # test -> algorithm -> its cases
     for node in everything:

@@ -374,18 +374,16 @@ def test_mesh_model_must_divide_what_tensor_parallelism_splits():
 
 
 def test_the_gpu_flags_exist_in_this_jaxlib():
-    """XLA refuses an unknown flag when its backend starts: each flag the experiments set
-    starts one (any backend parses every xla_gpu_* flag)."""
+    """XLA refuses an unknown flag when its backend starts: the flags the experiments set
+    start one (any backend parses every xla_gpu_* flag), and an unknown one does not."""
     from experiments import xla_flags
 
-    for flag in xla_flags.GPU_FLAGS:
-        env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
-        proc = subprocess.run(
-            [sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
-            text=True, timeout=120,
-        )  # fmt: skip
-        assert proc.returncode == 0, (flag, proc.stderr[-300:])
-    bad = {**os.environ, "XLA_FLAGS": "--xla_gpu_no_such_flag=true", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=bad,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    def starts(flags: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+        argv = [sys.executable, "-c", "import jax; jax.devices()"]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+
+    proc = starts(" ".join(xla_flags.GPU_FLAGS))
+    assert proc.returncode == 0, proc.stderr[-300:]
+    proc = starts("--xla_gpu_no_such_flag=true")
     assert proc.returncode != 0 and "Unknown flag" in proc.stderr  # the check can fail
