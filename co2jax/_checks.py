@@ -32,6 +32,13 @@ def check_int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` if it is a bool; a one-line error naming the setting otherwise."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {name}={value!r}")
+    return value
+
+
 def check_axis_name(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{name} must be a non-empty string, got {name}={value!r}")

@@ -161,22 +161,61 @@ def conditional_computations(hlo: str) -> frozenset[str]:
     return frozenset(seen)
 
 
+def _slice(device) -> int:
+    return getattr(device, "slice_index", 0) or 0
+
+
+def _positions(mesh) -> np.ndarray:
+    """Each mesh device's number in the compiled program's groups: its position in the
+    device assignment (the mesh's devices in row-major order). A program for several TPU
+    slices is compiled per slice: there a device is numbered inside its own slice."""
+    flat = list(mesh.devices.flat)
+    seen: dict[int, int] = {}
+    ids = []
+    for d in flat:
+        s = _slice(d)
+        ids.append(seen.get(s, 0))
+        seen[s] = ids[-1] + 1
+    return np.array(ids).reshape(mesh.devices.shape)
+
+
+def crosses_slices(mesh, axis: str) -> bool:
+    """Whether ``axis`` of ``mesh`` joins devices of different slices (over DCN)."""
+    k = mesh.axis_names.index(axis)
+    slices = np.vectorize(_slice, otypes=[int])(mesh.devices)
+    rows = np.moveaxis(slices, k, -1).reshape(-1, slices.shape[k])
+    return bool((rows != rows[:, :1]).any())
+
+
 def axis_groups(mesh, axis: str) -> frozenset[tuple[int, ...]]:
     """The groups that span ``axis`` of ``mesh`` (one per index of the other axes).
 
     Groups are given as HLO numbers them with ``use_global_device_ids``: positions in the
     program's device assignment (the mesh's devices in row-major order), not ``device.id``
-    (the two differ on TPU meshes laid out by topology).
+    (the two differ on TPU meshes laid out by topology). On several slices the groups are the
+    part of each line of ``axis`` inside one slice (what crosses slices goes over DCN:
+    :func:`flights`); empty when every slice holds one device of each line.
     """
-    ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+    ids = _positions(mesh)
     k = mesh.axis_names.index(axis)
+    slices = np.vectorize(_slice, otypes=[int])(mesh.devices)
     rows = np.moveaxis(ids, k, -1).reshape(-1, ids.shape[k])
-    return frozenset(tuple(sorted(int(v) for v in row)) for row in rows)
+    where = np.moveaxis(slices, k, -1).reshape(-1, ids.shape[k])
+    groups = set()
+    for row, at in zip(rows, where, strict=True):
+        for s in np.unique(at):
+            group = tuple(sorted(int(v) for v in row[at == s]))
+            if len(group) > 1 or len(np.unique(at)) == 1:
+                groups.add(group)
+    return frozenset(groups)
 
 
 def over_axis(found: list[Collective], mesh, axis: str) -> list[Collective]:
-    """The collectives in ``found`` whose groups are exactly the groups spanning ``axis``."""
+    """The collectives in ``found`` whose groups are exactly the groups spanning ``axis``
+    (inside each slice, on several)."""
     want = axis_groups(mesh, axis)
+    if not want:
+        return []
     return [c for c in found if frozenset(tuple(sorted(g)) for g in c.groups) == want]
 
 
@@ -241,6 +280,12 @@ class Flight(NamedTuple):
       hidden: issued asynchronously, with compute (a loop, a matmul, a custom call)
         scheduled between its start and its done, or after its start when its done sits in
         another computation.
+      sent: bytes one device sends per execution (ring algorithms: an all-reduce of B over g
+        devices 2(g-1)/g B, an all-gather of B (g-1)/g B, a reduce-scatter to b (g-1) b, a
+        permute B).
+      link: ``"ici"`` (inside a slice, or any single-slice or CPU/GPU program) or ``"dcn"``
+        (between slices: XLA:TPU's megascale send/recv pairs, whose ``send`` carries this
+        device's piece to the other slices).
     """
 
     computation: str
@@ -248,6 +293,8 @@ class Flight(NamedTuple):
     bytes: int
     count: int
     hidden: bool
+    sent: int = 0
+    link: str = "ici"
 
 
 _LINE = re.compile(
@@ -324,14 +371,74 @@ def _is_compute(op: str, line: str, comps: dict) -> bool:
     return False
 
 
+def sent_bytes(c: Collective) -> int:
+    """Bytes one device sends for collective ``c`` (ring algorithms, its group's size)."""
+    g = max((len(x) for x in c.groups), default=1)
+    if c.op == "collective-permute":
+        return c.bytes
+    if c.op == "all-reduce":
+        return 2 * (g - 1) * c.bytes // g
+    if c.op == "reduce-scatter":
+        return (g - 1) * c.bytes
+    return (g - 1) * c.bytes // g  # all-gather, all-to-all
+
+
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(?P<kind>\w+)"')
+
+
+def _megascale(line: str, recv_shapes: dict) -> tuple[int, int] | None:
+    """``(bytes, sent)`` of a megascale ``send`` (a cross-slice transfer), else None."""
+    if _MEGASCALE.search(line) is None or " send(" not in line:
+        return None
+    shapes = [
+        (dt, [int(v) for v in dims.split(",") if v])
+        for dt, dims in _SHAPE.findall(line.split(" send(")[0])
+        if dt in _DTYPE_BYTES and dt != "u32"
+    ]
+    piece = sum(int(np.prod(d, dtype=np.int64)) * _DTYPE_BYTES[dt] for dt, d in shapes[:1])
+    rendezvous = re.search(r'_xla_host_transfer_rendezvous="([^"]+)"', line)
+    result = recv_shapes.get(rendezvous.group(1) if rendezvous else None, piece)
+    slices = max(1, round(result / piece)) if piece else 1
+    return result, piece * (slices - 1)
+
+
+def _recv_bytes(hlo: str) -> dict:
+    """A megascale ``recv``'s result bytes, by its rendezvous name."""
+    out = {}
+    for line in hlo.splitlines():
+        if " recv(" not in line or _MEGASCALE.search(line) is None:
+            continue
+        rendezvous = re.search(r'_xla_host_transfer_rendezvous="([^"]+)"', line)
+        shapes = [
+            (dt, [int(v) for v in dims.split(",") if v])
+            for dt, dims in _SHAPE.findall(line.split(" recv(")[0])
+            if dt in _DTYPE_BYTES and dt != "u32"
+        ]
+        if rendezvous and shapes:
+            dt, dims = shapes[0]
+            out[rendezvous.group(1)] = int(np.prod(dims, dtype=np.int64)) * _DTYPE_BYTES[dt]
+    return out
+
+
 def flights(hlo: str, mesh, axis: str) -> list[Flight]:
-    """Every collective over ``axis`` of ``mesh`` in the compiled ``hlo``, as scheduled."""
+    """Every collective over ``axis`` of ``mesh`` in the compiled ``hlo``, as scheduled.
+
+    On several TPU slices a collective over an axis that crosses them is compiled as two
+    parts: an ordinary collective over the part of the axis inside each slice (its groups in
+    the slice's own numbering, :func:`axis_groups`), and megascale ``send``/``recv`` pairs
+    between slices (``link="dcn"``), each found by its ``send`` and hidden when compute is
+    scheduled between the ``send`` and its ``send-done``.
+    """
     want = axis_groups(mesh, axis)
+    dcn = crosses_slices(mesh, axis)
     comps = _computations(hlo)
     counts = _counts(comps)
     members = {d: g for g in want for d in g}
+    recvs = _recv_bytes(hlo) if dcn else {}
 
     def spans(c: Collective) -> bool:
+        if not want:
+            return False
         if c.op == "collective-permute":  # source/target pairs, each inside one axis group
             return bool(c.groups) and all(
                 len(p) == 2 and p[0] != p[1] and members.get(p[0]) == members.get(p[1]) is not None
@@ -359,16 +466,23 @@ def flights(hlo: str, mesh, axis: str) -> list[Flight]:
         ):
             continue
         for i, (iname, op, line) in enumerate(instrs):
-            found = None
+            found, link = None, "ici"
             if op in _COLLECTIVE_OPS or (op.endswith("-start") and op[:-6] in _COLLECTIVE_OPS):
-                found = [c for c in collectives(line) if spans(c)]
+                found = [(c.bytes, sent_bytes(c), c.op) for c in collectives(line) if spans(c)]
             elif op == "fusion" and iname.startswith("async-collective-start"):
                 callee = re.search(r"calls=%([\w.\-]+)", line).group(1)
-                found = [c for c in by_computation.get(callee, ()) if spans(c)]
+                found = [
+                    (c.bytes, sent_bytes(c), c.op)
+                    for c in by_computation.get(callee, ())
+                    if spans(c)
+                ]
+            elif op == "send" and dcn and (moved := _megascale(line, recvs)) is not None:
+                kind = _MEGASCALE.search(line).group("kind").lower().replace("_", "-")
+                found, link = [(*moved, kind)], "dcn"
             if not found:
                 continue
             hidden = False
-            if op.endswith("-start") or op == "fusion":
+            if op.endswith("-start") or op in ("fusion", "send"):
                 done = next(
                     (
                         j
@@ -379,8 +493,8 @@ def flights(hlo: str, mesh, axis: str) -> list[Flight]:
                     len(instrs),
                 )
                 hidden = any(_is_compute(o, ln, comps) for _, o, ln in instrs[i + 1 : done])
-            for c in found:
-                out.append(Flight(name, c.op, c.bytes, counts.get(name, 1), hidden))
+            for nbytes, sent, kind in found:
+                out.append(Flight(name, kind, nbytes, counts.get(name, 1), hidden, sent, link))
     return out
 
 

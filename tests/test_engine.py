@@ -410,6 +410,37 @@ def test_spread_in_rows_equals_unspread(case, layout, problem, mesh, monkeypatch
     np.testing.assert_allclose(got, plain, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("case", SPREAD_CASES[:3], ids=[c.name for c in SPREAD_CASES[:3]])
+def test_split_chunks_equal_whole_chunks_and_cross_the_replica_axis_once(case):
+    """Each of a replica's 4 devices (data 2 x model 2) sends its slice of every chunk: the
+    same rounds as whole chunks (the slow twin, split_chunks=False) and the textbook loop,
+    with a quarter of the per-device bytes on the replica axis (7 parameters: a chunk of 3
+    padded to 4, one per device)."""
+    problem = tb.make_problem(replicas=2, examples=2, dim=7)
+    mesh = co2jax.make_mesh(replica=2, data=2, model=2, devices=jax.devices("cpu")[:8])
+    runs, moved = [], []
+    for split in (False, True):
+        got, state, _, trainer = run_engine(
+            case.make(), problem, mesh, reducer="all_gather", spread=H, split_chunks=split
+        )
+        assert trainer.program(state).plan.shards == (4 if split else 1)
+        text = trainer.lower(state, trainer.place_batch(textbook_batch(problem)))
+        found = co2jax.hlo.flights(text.compile().as_text(), mesh, "replica")
+        assert found and all(f.count == H for f in found), found
+        runs.append(got)
+        moved.append(sum(f.bytes * f.count for f in found))
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(runs[1], case.textbook(problem), **TOL)
+    assert moved[1] * 3 == moved[0], moved  # 1 element a device against 3
+
+
+def test_split_chunks_is_checked(mesh):
+    with pytest.raises(ValueError, match="split_chunks must be True or False, got split_chunks=1"):
+        co2jax.RoundTrainer(
+            engine_loss, optax.sgd(LR), co2jax.co2(1.0, 0.5), mesh, H, split_chunks=1
+        )
+
+
 def test_spread_compressed_and_error_feedback_equal_unspread(problem, mesh):
     """int8 blocks are never split by a chunk, and error feedback's encodings are cut along
     their blocks: spread equals unspread."""

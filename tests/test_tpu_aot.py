@@ -65,7 +65,8 @@ def _compile(outer, mesh, **kw):
     }
     trainer = co2jax.RoundTrainer(_loss, optax.adamw(1e-3), outer, mesh, H, **kw)
     sharding = NamedSharding(mesh, P("replica", None, "data"))
-    leaf = jax.ShapeDtypeStruct((2, H, BATCH, 512), jnp.float32, sharding=sharding)
+    R = mesh.shape["replica"]
+    leaf = jax.ShapeDtypeStruct((R, H, BATCH, 512), jnp.float32, sharding=sharding)
     state = trainer.abstract_state(params)
     lowered = trainer.lower(state, {"x": leaf, "y": leaf})
     return trainer.program(state), lowered.compile().as_text()
@@ -165,20 +166,76 @@ def test_spread_chunk_is_asynchronous_in_every_step(mesh):
     assert any(c.op == "all-gather" for c in gathers)
 
 
-def test_multislice_mesh_puts_the_replica_axis_across_slices():
-    """On 2 slices the replica axis spans slices (slow DCN); data stays inside a slice."""
+def _slices(count: int, name: str = "v5e:2x2"):
     from jax.experimental import topologies
 
     try:
-        topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu", num_slices=2)
+        return topologies.get_topology_desc(
+            topology_name=name, platform="tpu", num_slices=count
+        ).devices
     except Exception as e:
         _unavailable(f"no multi-slice TPU topology for ahead-of-time compilation: {e}")
-    mesh = co2jax.make_mesh(replica=2, data=4, devices=topo.devices)
+
+
+def test_multislice_mesh_puts_the_replica_axis_across_slices():
+    """On 2 slices the replica axis spans slices (slow DCN); data stays inside a slice."""
+    devices = _slices(2)
+    mesh = co2jax.make_mesh(replica=2, data=4, devices=devices)
     grid = mesh.devices  # (replica, data, model)
     for r in range(2):
         assert {d.slice_index for d in grid[r].flat} == {r}  # a replica lives in one slice
     with pytest.raises(ValueError, match="multiple of the slice count"):
-        co2jax.make_mesh(replica=1, data=8, devices=topo.devices)
+        co2jax.make_mesh(replica=1, data=8, devices=devices)
+
+
+@pytest.mark.parametrize("slices", [2, 4])
+@pytest.mark.parametrize("name", list(DELAYED))
+def test_replicas_on_separate_slices_send_their_chunks_over_dcn_under_compute(name, slices):
+    """One replica per slice (v5e 2x2 slices, data=4): every chunk crosses the slices as
+    megascale send/recv pairs issued inside its inner step and done after that step's
+    compute; each of a replica's 4 chips sends a quarter of the chunk (split_chunks=False:
+    every chip sends all of it)."""
+    mesh = co2jax.make_mesh(replica=slices, data=4, devices=_slices(slices))
+    sent = {}
+    for split in (True, False):
+        program, text = _compile(DELAYED[name](), mesh, split_chunks=split)
+        assert program.transfers[0].chunks == H
+        found = hlo.flights(text, mesh, "replica")
+        assert found and all(f.link == "dcn" and f.hidden and f.count == H for f in found)
+        assert hlo.hidden_fraction(text, mesh, "replica") == 1.0
+        # checked against the text by hand: one megascale send per chunk, in the loop body
+        sends = [ln for ln in text.splitlines() if " send(" in ln and "_xla_megascale" in ln]
+        assert len(sends) == len(found)
+        sent[split] = sum(f.sent for f in found)
+    piece = 2 * 512 * 2048 * 4 // H  # float32 bytes of one chunk of the payload
+    assert sent[False] == (slices - 1) * piece
+    assert sent[True] * 4 == sent[False]
+
+
+def test_25m_on_two_slices_is_in_flight_under_compute():
+    """25M parameters, 2 slices of v5e 2x4, one replica per slice: the chunks' cross-slice
+    transfers are in flight under the inner steps' compute."""
+    mesh = co2jax.make_mesh(replica=2, data=8, devices=_slices(2, "v5e:2x4"))
+    _, text = _model_round(AT_SCALE["co2"](), mesh)
+    found = hlo.flights(text, mesh, "replica")
+    assert found and {f.link for f in found} == {"dcn"}
+    assert hlo.hidden_fraction(text, mesh, "replica") >= 0.95
+
+
+def test_replicas_sharing_slices_are_warned_about_and_measured_as_warned():
+    """Two replicas per slice (25M, 2 slices of v5e 2x4): make_mesh warns in one line (once
+    per layout); the in-slice part of each chunk is compiled synchronous inside the step
+    whose inner step scans over layers, the cross-slice part hidden (1/3 in flight: what the
+    warning says; if the compiler learns to overlap it, drop the warning). On the toy model
+    (no loop inside the step) both parts are hidden."""
+    with pytest.warns(UserWarning, match="2 replicas share each TPU slice") as caught:
+        mesh = co2jax.make_mesh(replica=4, data=4, devices=_slices(2, "v5e:2x4"))
+    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+    _, text = _model_round(AT_SCALE["co2"](), mesh)  # RoundTrainer does not warn again
+    found = hlo.flights(text, mesh, "replica")
+    assert {f.link for f in found if f.hidden} == {"dcn"}
+    assert {f.link for f in found if not f.hidden} == {"ici"}
+    assert hlo.hidden_fraction(text, mesh, "replica") < 0.5
 
 
 def test_a_mesh_axis_that_splits_a_physical_axis():

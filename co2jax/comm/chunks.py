@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from co2jax.axes import REPLICA
 from co2jax.comm.reducer import Encoded, Grouped, Reducer, values
 from co2jax.tree import common_dtype, flatten
 
@@ -67,6 +68,9 @@ class Plan(NamedTuple):
       piece_form: encoded: the wire form of one chunk (one vector per group).
       lanes: per group, its rows' width (0: a flat vector).
       rows: per group with lanes: its row-shaped leaves' rows, then the packed rest's.
+      shards: the devices of one replica each chunk is split over (:func:`reduce`): each
+        sends only its 1/shards of the chunk over the replica axis (1: every device sends
+        the whole chunk).
     """
 
     chunks: int
@@ -78,6 +82,7 @@ class Plan(NamedTuple):
     piece_form: Any = None
     lanes: tuple = ()
     rows: tuple = ()
+    shards: int = 1
 
     def elements(self, g: int) -> int:
         """Elements of group ``g`` in one chunk."""
@@ -103,10 +108,18 @@ def _row_plan(form: Grouped, group: tuple, lanes: int) -> tuple:
     return shaped, (rest, packed)
 
 
-def plan(payload: Any, reducer: Reducer, chunks: int, lanes: int | None = None) -> Plan:
+def plan(
+    payload: Any, reducer: Reducer, chunks: int, lanes: int | None = None, shards: int = 1
+) -> Plan:
     """The cut of ``payload`` (arrays or ShapeDtypeStructs; plain or encoded) into ``chunks``;
     ``lanes``: the row width of an exact reducer's chunks (default: :data:`LANES` for each
-    group of at least :data:`MIN_ROWS` rows a chunk, else flat; 0: all flat)."""
+    group of at least :data:`MIN_ROWS` rows a chunk, else flat; 0: all flat).
+
+    ``shards``: the devices inside one replica (its ``data`` x ``model`` axes) that a chunk
+    may be split over before it crosses the replica axis (:func:`reduce`). Only an exact
+    reducer's plain payload is split (an exact mean is element-wise, so each device reducing
+    its slice gives the whole chunk's mean); each group's chunk is padded to a multiple of
+    ``shards`` rows. A codec's chunk goes whole (a top-k selects over the whole chunk)."""
     if isinstance(payload, Encoded):
         form = payload.form
         per_unit = [form.per_unit] * len(form.groups)
@@ -128,16 +141,18 @@ def plan(payload: Any, reducer: Reducer, chunks: int, lanes: int | None = None) 
         _row_plan(form, group, w) if w else None
         for group, w in zip(form.groups, widths, strict=True)
     )
+    shards = shards if not encoded and reducer.exact and reducer.codec is None else 1
     units = []
     for g, n in enumerate(sizes):
         if widths[g]:
             per_unit[g] = widths[g]
             shaped, (_, packed) = rows[g]
-            units.append(math.ceil((sum(r for _, r in shaped) + packed) / chunks))
+            count = math.ceil((sum(r for _, r in shaped) + packed) / chunks)
         else:
-            units.append(math.ceil(math.ceil(n / per_unit[g]) / chunks))
+            count = math.ceil(math.ceil(n / per_unit[g]) / chunks)
+        units.append(-(-count // shards) * shards)  # a whole number of rows per device
     out = Plan(chunks, form, encoded, tuple(per_unit), tuple(units), tuple(dtypes), None)
-    out = out._replace(lanes=tuple(widths), rows=rows)
+    out = out._replace(lanes=tuple(widths), rows=rows, shards=shards)
     if not out.encoded:
         return out
     count = len(form.groups)
@@ -222,8 +237,28 @@ def as_payload(plan: Plan, piece: list) -> Any:
 
 def reduce(plan: Plan, reducer: Reducer, piece: list) -> list[jax.Array]:
     """One chunk reduced over the replica axis: per group, a vector of its chunk's elements
-    (averaged here when the reducer hands the replicas' pieces over un-reduced)."""
-    return list(values(reducer.reduce(as_payload(plan, piece))))
+    (averaged here when the reducer hands the replicas' pieces over un-reduced).
+
+    With ``plan.shards > 1`` the chunk is split along its rows over the replica's own axes
+    (every mesh axis but ``replica`` with more than one device, manual for this reduction
+    only): each device sends its slice over the replica axis, and the compiler gathers the
+    reduced slices inside the replica (its fast links) where the whole chunk is read. Left to
+    the compiler, a chunk replicated inside the replica crosses the replica axis once per
+    device (measured on TPU AOT: ``docs/overlap.md``)."""
+    whole = lambda p: list(values(reducer.reduce(as_payload(plan, p))))
+    if plan.shards == 1:
+        return whole(piece)
+    mesh = jax.sharding.get_abstract_mesh()
+    inner = tuple(a for a in mesh.axis_names if a != REPLICA and mesh.shape[a] > 1)
+    if math.prod(mesh.shape[a] for a in inner) != plan.shards:
+        raise ValueError(
+            f"a chunk split over {plan.shards} devices, but the mesh's axes {inner} hold "
+            f"{math.prod(mesh.shape[a] for a in inner)}"
+        )
+    spec = [jax.sharding.PartitionSpec(inner)] * len(piece)
+    return jax.shard_map(whole, mesh=mesh, in_specs=(spec,), out_specs=spec, axis_names=set(inner))(
+        list(piece)
+    )
 
 
 def piece_values(plan: Plan, piece: list) -> list[jax.Array]:

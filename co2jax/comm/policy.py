@@ -75,6 +75,19 @@ def chunk_count(span: int, payload_bytes: int, minimum: int = MIN_CHUNK_BYTES) -
     return max(1, min(span, payload_bytes // max(1, minimum)))
 
 
+def chunk_shards(devices_per_replica: int) -> int:
+    """The devices of one replica that split each chunk of an exact reduction: all of them.
+
+    A replica's payload is replicated over its own devices (its ``data`` and ``model``
+    axes). Left whole, every one of them sends the whole chunk over the replica axis: D
+    copies of the payload on the slow link (compiled for two v5e 2x4 slices, each of the 8
+    chips of a slice sent the whole chunk over DCN). Split, each sends 1/D and the replica
+    sends the payload once; the reduced slices are gathered inside the replica over its fast
+    links when the payload is applied (``docs/overlap.md``).
+    """
+    return max(1, int(devices_per_replica))
+
+
 def chunk_kind(platform: str) -> str:
     """The exact mean for one chunk: on TPU the all-gather, whose chunk is asynchronous under
     its step's compute at R = 2, 4 and 8 (the ppermute ring's dependent steps hide 14-33% of

@@ -91,6 +91,7 @@ class RoundDriver:
       step: ``step(carry, batch_k, k) -> (carry, loss)``, one inner step.
       batch: the round's batch, ``[H, ...]`` leaves.
       specs: where the state is kept (:class:`Specs`).
+      shards: the replica's devices a chunk is split over (:func:`co2jax.comm.chunks.plan`).
     """
 
     def __init__(
@@ -101,8 +102,9 @@ class RoundDriver:
         step: Callable,
         batch: Any,
         specs: Specs,
+        shards: int = 1,
     ):
-        self.outer, self.walk, self.reducers = outer, walk, reducers
+        self.outer, self.walk, self.reducers, self.shards = outer, walk, reducers, shards
         self.step, self.batch, self.specs = step, batch, specs
         self.store: dict[int, tuple[Any, Any]] = {}  # a transfer in one piece, in flight
         self.plans: dict[int, chunks.Plan] = {}
@@ -122,7 +124,7 @@ class RoundDriver:
         if t.chunks == 1:
             self.store[i] = (payload, self.reducers[i](payload))
             return c
-        self.plans[i] = chunks.plan(payload, self.reducers[i], t.chunks)
+        self.plans[i] = chunks.plan(payload, self.reducers[i], t.chunks, shards=self.shards)
         return self._hold(c, i, chunks.fill(self.plans[i], payload, varying_like))
 
     def chunk(self, c: Carry, i: int, k: Any) -> Carry:

@@ -35,6 +35,8 @@ class RoundPlan(NamedTuple):
       wire_bytes: bytes one replica sends per round (every chunk, by its reducer).
       walk: the schedule's segments (:class:`~co2jax.engines.walk.Walk`).
       payload_shapes: per transfer, its payload's value shapes (one replica).
+      shards: the devices of one replica a chunk is split over before it crosses the replica
+        axis (:func:`co2jax.comm.chunks.reduce`; 1: each device sends whole chunks).
     """
 
     transfers: tuple[Transfer, ...]
@@ -43,6 +45,7 @@ class RoundPlan(NamedTuple):
     wire_bytes: float
     walk: Walk
     payload_shapes: tuple
+    shards: int = 1
 
     @property
     def reducer_kind(self) -> str:
@@ -98,14 +101,16 @@ def spread_schedule(
     return spread_transfers(transfers, count)
 
 
-def wire_bytes(run: tuple, payload_shapes: list, reducers: tuple, replicas: int) -> float:
+def wire_bytes(
+    run: tuple, payload_shapes: list, reducers: tuple, replicas: int, shards: int = 1
+) -> float:
     """Bytes one replica sends per round: every transfer (every chunk) by its reducer."""
     total = 0.0
     for t, shapes, reducer in zip(run, payload_shapes, reducers, strict=True):
         if t.chunks == 1:
             total += reducer.wire_bytes(shapes, replicas)
             continue
-        cut = chunks.plan(shapes, reducer, t.chunks)
+        cut = chunks.plan(shapes, reducer, t.chunks, shards=shards)
         piece = [
             jax.ShapeDtypeStruct(cut.piece_shape(g), cut.dtypes[g]) for g in range(len(cut.units))
         ]
@@ -124,13 +129,17 @@ def choose(
     platform: str,
     replicas: int,
     split_state: bool = False,
+    devices_per_replica: int = 1,
+    split_chunks: bool = True,
 ) -> RoundPlan:
     """The :class:`RoundPlan` of ``outer``'s resolved ``transfers`` on a mesh of
     ``platform`` with ``replicas`` replicas (``reducer``: the engine's choice).
     ``split_state``: the outer state is split inside each replica; a compiled fused kernel
     runs whole on each device (:func:`co2jax.kernels.layout.whole_per_device`), so on a
     platform that compiles it the replicas' payloads are averaged before the update
-    instead of being handed to it gathered."""
+    instead of being handed to it gathered. ``split_chunks``: a chunk of an exact reduction
+    is split over the replica's ``devices_per_replica`` devices, each sending its slice
+    (:func:`co2jax.comm.policy.chunk_shards`)."""
     run = spread_schedule(outer, transfers, spread, platform, payload_shapes)
     gathered = outer.accepts_gathered and not (split_state and platform in LOWERED)
     chosen = [
@@ -149,11 +158,13 @@ def choose(
         for t, shapes in zip(run, payload_shapes, strict=True)
     ]
     reducers = tuple(r for _, r in chosen)
+    shards = policy.chunk_shards(devices_per_replica) if split_chunks else 1
     return RoundPlan(
         run,
         reducers,
         tuple(k for k, _ in chosen),
-        wire_bytes(run, payload_shapes, reducers, replicas),
+        wire_bytes(run, payload_shapes, reducers, replicas, shards),
         walk(run, steps),
         tuple(payload_shapes),
+        shards,
     )

@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from co2jax import compilation_cache
-from co2jax._checks import check_transform
+from co2jax._checks import check_flag, check_transform
 from co2jax.axes import DATA, MODEL, REPLICA
 from co2jax.comm import policy
 from co2jax.comm.participation import check_participation, weighted
@@ -52,7 +52,7 @@ from co2jax.engines.batches import check_batch, shapes_key
 from co2jax.engines.execute import Carry, RoundDriver, Specs, cosine, inner_step
 from co2jax.engines.layout import Layout, full_spec
 from co2jax.engines.program import RoundPlan, RoundProgram, check_spread, choose
-from co2jax.mesh import compiler_sharded, replica_map
+from co2jax.mesh import compiler_sharded, replica_map, warn_hybrid
 from co2jax.protocol import OuterOptimizer, resolve
 from co2jax.tree import tree_all_finite, tree_select, varying_like
 
@@ -132,6 +132,10 @@ class RoundTrainer:
         for it (compiled kernels are).
       exclude_nonfinite: leave a replica whose payload has a NaN or an Inf out of that
         reduction (its weight 0, :mod:`co2jax.comm.participation`) instead of averaging it.
+      split_chunks: a spread transfer's chunk of an exact reduction is split over the
+        replica's devices, each sending its slice over the replica axis (the replica sends
+        its payload once; :func:`co2jax.comm.policy.chunk_shards`). ``False``: every device
+        sends the whole chunk (the compiler's choice; the same values).
 
     Participation (:meth:`round`'s ``weights``, ``steps``): each reduction is weighted
     (:func:`co2jax.comm.weighted`); every replica applies the same reduced payload, so a
@@ -154,6 +158,7 @@ class RoundTrainer:
         donate: bool = True,
         check_vma: bool = True,
         exclude_nonfinite: bool = False,
+        split_chunks: bool = True,
     ):
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got loss_fn={loss_fn!r}")
@@ -176,12 +181,14 @@ class RoundTrainer:
         self.replicas, self.data = mesh.shape[REPLICA], mesh.shape[DATA]
         self.platform = mesh.devices.flat[0].platform
         compilation_cache.guard(mesh.devices.flat)  # a warning: unsafe on a CPU mesh
+        warn_hybrid(mesh)  # replicas sharing TPU slices: in-slice transfers do not overlap
         self.layout = Layout(dict(mesh.shape), shard_outer_state, fsdp)
         self.fsdp = self.layout.fsdp
         self.param_specs = param_specs
         self._donate = donate
         self._check_vma = bool(check_vma)
         self.exclude_nonfinite = bool(exclude_nonfinite)
+        self.split_chunks = check_flag("split_chunks", split_chunks)
         self._programs: dict = {}
         self._inits: dict = {}
         self._specs: dict = {}
@@ -277,7 +284,7 @@ class RoundTrainer:
             w = jnp.float32(1) if weight is None else weight
             reducers = tuple(weighted(r, w, REPLICA, self.exclude_nonfinite) for r in reducers)
         step = inner_step(self.loss_fn, self.inner, specs, taken, not self.fsdp, self._check_vma)
-        driver = RoundDriver(self.outer, plan.walk, reducers, step, batch, specs)
+        driver = RoundDriver(self.outer, plan.walk, reducers, step, batch, specs, plan.shards)
         count = len(plan.transfers)
         sums = varying_like(jnp.zeros((count, 3)), jax.lax.axis_index(REPLICA))
         carry = walker.run(plan.walk, driver, Carry(params, inner, outer, sums, ((),) * count))
@@ -323,6 +330,8 @@ class RoundTrainer:
             platform=self.platform,
             replicas=self.replicas,
             split_state=self.layout.sharded,
+            devices_per_replica=self.mesh.devices.size // self.replicas,
+            split_chunks=self.split_chunks,
         )
         return plan, self._per_replica_specs(one(state.params))
 

@@ -1,0 +1,126 @@
+"""The compiled-program reader (co2jax.hlo) on hand-written HLO: device numbering on several
+slices, cross-slice (megascale) transfers, and the bytes each collective sends."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from co2jax import hlo
+
+
+def _mesh(shape, slice_of):
+    """A stand-in mesh: ``shape`` over (replica, data, model), device i in ``slice_of(i)``."""
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    devices = np.vectorize(
+        lambda i: types.SimpleNamespace(id=int(i), slice_index=slice_of(int(i))), otypes=[object]
+    )(ids)
+    return types.SimpleNamespace(devices=devices, axis_names=("replica", "data", "model"))
+
+
+# 2 slices of 4 chips; replica=2 (one per slice) or replica=4 (two per slice), data fills
+ONE_PER_SLICE = _mesh((2, 4, 1), lambda i: i // 4)
+TWO_PER_SLICE = _mesh((4, 2, 1), lambda i: i // 4)
+ONE_SLICE = _mesh((2, 4, 1), lambda i: 0)
+
+
+def test_groups_are_numbered_inside_each_slice():
+    assert hlo.axis_groups(ONE_SLICE, "replica") == {(0, 4), (1, 5), (2, 6), (3, 7)}
+    assert hlo.axis_groups(ONE_PER_SLICE, "data") == {(0, 1, 2, 3)}  # each slice's own ids
+    assert hlo.axis_groups(ONE_PER_SLICE, "replica") == frozenset()  # all of it crosses DCN
+    assert hlo.axis_groups(TWO_PER_SLICE, "replica") == {(0, 2), (1, 3)}
+    assert hlo.crosses_slices(TWO_PER_SLICE, "replica")
+    assert not hlo.crosses_slices(TWO_PER_SLICE, "data")
+    assert not hlo.crosses_slices(ONE_SLICE, "replica")
+
+
+def _program(body_between: str, in_slice: str = "") -> str:
+    """A loop body that sends a [1, 768, 1024] bf16 piece to the other slice around
+    ``body_between``; the ENTRY runs the body's loop 4 times."""
+    attrs = (
+        'frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",'
+        '_xla_host_transfer_rendezvous="all-gather.6_0",_xla_megascale_target="{1,2}x{0:3}",'
+        '_xla_megascale_transfer_type="ALL_GATHER"}'
+    )
+    return "\n".join(
+        [
+            "%fused_dot (p0: bf16[8,8], p1: bf16[8,8]) -> bf16[8,8] {",
+            "  %dot.1 = bf16[8,8]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}",
+            "}",
+            "",
+            "%body (param: (s32[], bf16[1,768,1024])) -> (s32[], bf16[1,768,1024]) {",
+            "  %after-all.2 = token[] after-all()",
+            "  %send.2 = (bf16[1,768,1024]{2,1,0}, u32[], token[]) send(%piece, %after-all.2),"
+            f" channel_id=2, is_host_transfer=true, {attrs}",
+            "  %recv.2 = (bf16[2,768,1024]{2,1,0}, u32[], token[]) recv(%after-all.2),"
+            f" channel_id=1, is_host_transfer=true, {attrs}",
+            body_between,
+            in_slice,
+            "  %send-done.2 = token[] send-done(%send.2), channel_id=2, is_host_transfer=true",
+            "  %recv-done.2 = (bf16[2,768,1024]{2,1,0}, token[]) recv-done(%recv.2), channel_id=1",
+            "}",
+            "",
+            "%cond (param.1: (s32[], bf16[1,768,1024])) -> pred[] {",
+            "  %constant.4 = s32[] constant(4)",
+            "  %compare.1 = pred[] compare(%gte, %constant.4), direction=LT",
+            "}",
+            "",
+            "ENTRY %main (p: bf16[1,768,1024]) -> bf16[1,768,1024] {",
+            "  %while.1 = (s32[], bf16[1,768,1024]) while(%t), condition=%cond, body=%body",
+            "}",
+        ]
+    )
+
+
+COMPUTE = "  %fusion.3 = bf16[8,8]{1,0} fusion(%a, %b), kind=kOutput, calls=%fused_dot"
+
+
+def test_a_cross_slice_send_is_a_dcn_transfer_in_flight_under_compute():
+    [f] = hlo.flights(_program(COMPUTE), ONE_PER_SLICE, "replica")
+    piece = 768 * 1024 * 2
+    assert (f.op, f.link, f.count, f.hidden) == ("all-gather", "dcn", 4, True)
+    assert f.bytes == 2 * piece and f.sent == piece  # 2 slices: the piece goes to the other
+    assert hlo.hidden_fraction(_program(COMPUTE), ONE_PER_SLICE, "replica") == 1.0
+
+
+def test_a_cross_slice_send_without_compute_before_its_done_is_synchronous():
+    assert not hlo.flights(_program(""), ONE_PER_SLICE, "replica")[0].hidden
+    assert hlo.hidden_fraction(_program(""), ONE_PER_SLICE, "replica") == 0.0
+
+
+def test_no_dcn_transfer_is_read_on_an_axis_inside_the_slices():
+    assert hlo.flights(_program(COMPUTE), ONE_PER_SLICE, "data") == []
+
+
+def test_hybrid_replicas_in_slice_part_is_counted_beside_the_cross_slice_part():
+    """Two replicas per slice: the in-slice all-gather (groups in the slice's numbering)
+    is read next to the send; synchronous here, it holds 2/3 of the bytes."""
+    gather = (
+        "  %all-gather.15 = bf16[2,1536,1024]{2,1,0} all-gather(%c), channel_id=3,"
+        " replica_groups={{0,2},{1,3}}, dimensions={1}, use_global_device_ids=true"
+    )
+    found = hlo.flights(_program(COMPUTE, gather), TWO_PER_SLICE, "replica")
+    # the in-slice gather sits after the compute, before the send's done: nothing between
+    # its own (synchronous) issue and completion
+    by_link = {f.link: f for f in found}
+    assert by_link["dcn"].hidden and not by_link["ici"].hidden
+    assert by_link["ici"].sent == by_link["ici"].bytes // 2
+    assert hlo.hidden_fraction(_program(COMPUTE, gather), TWO_PER_SLICE, "replica") == (
+        pytest.approx(1 / 3)
+    )
+
+
+@pytest.mark.parametrize(
+    "line, sent",
+    [
+        ("%a = f32[100]{0} all-reduce(%x), replica_groups={{0,1,2,3}}, to_apply=%add", 600),
+        ("%a = f32[100]{0} all-gather(%x), replica_groups={{0,1,2,3}}, dimensions={0}", 300),
+        ("%a = f32[25]{0} reduce-scatter(%x), replica_groups={{0,1,2,3}}, dimensions={0}", 300),
+        ("%a = f32[100]{0} collective-permute(%x), source_target_pairs={{0,1},{1,0}}", 400),
+    ],
+)
+def test_bytes_one_device_sends(line, sent):
+    [c] = hlo.collectives("  " + line)
+    assert hlo.sent_bytes(c) == sent
