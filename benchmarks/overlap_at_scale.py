@@ -1,25 +1,31 @@
 """Overlap at the sizes users train: what a delayed round's replica-axis bytes do on TPU.
 
-Compiles rounds ahead of time for TPU v5e topologies (needs ``libtpu``; nothing is run or
-allocated: the models are ``jax.ShapeDtypeStruct``) and reads the scheduled HLO
-(:func:`co2jax.hlo.flights`). For each model size, replica count R and algorithm it prints
+Compiles rounds ahead of time for TPU v5e topologies, one slice or several (needs ``libtpu``;
+nothing is run or allocated: the models are ``jax.ShapeDtypeStruct``) and reads the scheduled
+HLO (:func:`co2jax.hlo.flights`, cross-slice megascale transfers included). For each model
+size, replica count R, slice count and case (algorithm and payload) it prints
 
 - the reducer and the chunks the engine chose (``auto``: on TPU a delayed payload in a chunk
-  per inner step, each an all-gather issued inside its step);
-- the fraction of replica-axis bytes in flight under compute (an asynchronous start and done
-  with a loop, a matmul or a custom call between them), per executed byte;
-- temp and total (argument + output - alias + temp) memory per chip, and compile time, each
-  against the synchronous round of the same model (``reducer="pmean"``, unspread), compiled
-  in the same process.
+  per inner step, each an all-gather issued inside its step, split over the replica's chips);
+- bytes one replica sends over the replica axis per round (every chip's ``sent``, ring
+  algorithms: :attr:`co2jax.hlo.Flight.sent`), the part over DCN, and their ratio to a ring
+  all-reduce of the uncompressed payload (2 (R-1)/R of it) and to the engine's own model of
+  the round's bytes (``RoundPlan.wire_bytes``: the codec's bytes for a compressed payload);
+- the fraction of those bytes in flight under compute (an asynchronous start and done, or
+  a megascale send and its done, with a loop, a matmul or a custom call between them);
+- temp memory per chip and compile time (CPU seconds of ``lower().compile()``, threads
+  included), each against the plain synchronous round of the same model and mesh (CO2 with
+  ``reducer="pmean"``, unspread), compiled in the same process.
 
 Models: the benchmarks' residual MLP (pre-norm blocks, layers scanned, bf16): d_model 1024,
 d_ff 4096 (8.4M parameters a layer) up to 100M, and d_model 2048, d_ff 8192 (33.6M a layer)
-for 1B. H = 4 inner steps (chunks are per step; more steps make smaller chunks); Streaming
-DiLoCo: 2 fragments, H = 8, tau = 2. The pmean baseline is CO2's round with H = 4 (Streaming
-DiLoCo's compile-time ratio is against that H = 4 round: its own round has twice the steps).
+for 1B (outer state split over data). H = 4 inner steps (chunks are per step); Streaming
+DiLoCo: 2 fragments, H = 8, tau = 1 or 2 (its ratios are against the pmean round of H = 4).
 
-    JAX_PLATFORMS=cpu python benchmarks/overlap_at_scale.py              # 8M-100M, R = 2, 4, 8
-    JAX_PLATFORMS=cpu python benchmarks/overlap_at_scale.py --sizes 1b --topology v5e:4x4
+    JAX_PLATFORMS=cpu python benchmarks/overlap_at_scale.py              # 25M-100M, R = 2, 4
+    JAX_PLATFORMS=cpu python benchmarks/overlap_at_scale.py --slices 2   # replicas on 2 slices
+    JAX_PLATFORMS=cpu python benchmarks/overlap_at_scale.py --sizes 1b --replicas 8 \
+        --topology v5e:4x4
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import json
 import time
 
 import _common as C
+import jax
 import jax.numpy as jnp
 
 import co2jax
@@ -45,22 +52,37 @@ H = 4
 
 
 def algorithms(shapes) -> dict:
+    """Each case: (algorithm, payload) as its factory."""
     nesterov = lambda: co2jax.outer_sgd(0.7, 0.9, nesterov=True)
     layers = shapes["w1"].shape[0]
     frags = lambda: co2jax.fragments.make_fragments(
         shapes, min(2, layers), stacked="scale|w1|b1|w2"
     )
-    int8 = comm.all_gather_compressed(comm.int8(block=128))
+    gather = lambda codec: comm.all_gather_compressed(codec)
+    delayed = lambda reduce: co2jax.delayed_diloco(nesterov(), reduce=reduce)
+    streaming = lambda tau: co2jax.streaming_diloco(nesterov(), frags(), 2 * H, tau=tau)
     return {
         "co2": lambda: co2jax.co2(0.7, 0.5, clip_threshold=1.0),
         "delayed_diloco": lambda: co2jax.delayed_diloco(nesterov()),
         "eager_diloco": lambda: co2jax.eager_diloco(nesterov()),
-        # H = 8 and tau = 2: a fragment's reduction in two chunks, each inside one of the two
-        # steps it overlaps (with tau = 1 XLA:TPU sinks the one chunk's all-gather into the
-        # step's layer loop, synchronously: docs/overlap.md)
-        "streaming_diloco": lambda: co2jax.streaming_diloco(nesterov(), frags(), 2 * H, tau=2),
-        "delayed_diloco_int8": lambda: co2jax.delayed_diloco(nesterov(), reduce=int8),
+        "streaming_tau2": lambda: streaming(2),
+        "streaming_tau1": lambda: streaming(1),
+        "delayed_int8": lambda: delayed(gather(comm.int8(block=128))),
+        "delayed_int8_ef": lambda: co2jax.error_feedback(delayed(gather(comm.int8(block=128)))),
+        "delayed_fp4": lambda: delayed(gather(comm.fp4(block=128))),
+        "delayed_fp4_ef": lambda: co2jax.error_feedback(delayed(gather(comm.fp4(block=128)))),
+        "delayed_topk_ef": lambda: co2jax.error_feedback(
+            delayed(gather(comm.topk(64, chunk=4096))), decay=0.95
+        ),
     }
+
+
+def replica_bytes(flights, devices_per_replica: int) -> tuple[float, float]:
+    """(all, DCN) bytes one replica sends over the replica axis per round: each of its chips
+    sends ``Flight.sent`` per execution."""
+    total = sum(f.sent * f.count for f in flights) * devices_per_replica
+    dcn = sum(f.sent * f.count for f in flights if f.link == "dcn") * devices_per_replica
+    return total, dcn
 
 
 def compile_round(outer, mesh, shapes, d_model, shard, **kw):
@@ -70,10 +92,10 @@ def compile_round(outer, mesh, shapes, d_model, shard, **kw):
         C.loss_fn, C.inner_optimizer(), outer, mesh, steps, shard_outer_state=shard, **kw
     )
     batch = C.abstract_batch(mesh, R, steps, 8 * D, d_model, jnp.bfloat16)
-    began = time.perf_counter()
+    began = time.process_time()
     state = trainer.abstract_state(shapes)
     compiled = trainer.lower(state, batch).compile()
-    seconds = time.perf_counter() - began
+    seconds = time.process_time() - began
     mem = compiled.memory_analysis()
     total = (
         mem.argument_size_in_bytes
@@ -82,9 +104,17 @@ def compile_round(outer, mesh, shapes, d_model, shard, **kw):
         + mem.temp_size_in_bytes
     )
     text = compiled.as_text()
+    program = trainer.program(state)
+    flights = co2jax.hlo.flights(text, mesh, "replica")
+    sent, dcn = replica_bytes(flights, mesh.devices.size // R)
+    payload = sum(C.num_bytes(s) for s in program.plan.payload_shapes)
     return {
-        "reducer": trainer.program(state).reducer_kind,
-        "chunks": [t.chunks for t in trainer.program(state).transfers],
+        "reducer": program.reducer_kind,
+        "chunks": [t.chunks for t in program.transfers],
+        "sent": sent,
+        "dcn": dcn,
+        "ring": comm.ring_bytes(payload, R),
+        "model": program.plan.wire_bytes,
         "hidden": co2jax.hlo.hidden_fraction(text, mesh, "replica"),
         "temp_gib": mem.temp_size_in_bytes / 2**30,
         "total_gib": total / 2**30,
@@ -94,24 +124,32 @@ def compile_round(outer, mesh, shapes, d_model, shard, **kw):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="8m,25m,100m")
-    parser.add_argument("--replicas", default="2,4,8")
+    parser.add_argument("--sizes", default="25m,100m")
+    parser.add_argument("--replicas", default="2,4")
     parser.add_argument("--algorithms", default=",".join(algorithms(C.param_shapes(8, 8, 2))))
-    parser.add_argument("--topology", default="v5e:2x4")
+    parser.add_argument("--topology", default="v5e:2x4", help="one slice's topology")
+    parser.add_argument("--slices", type=int, default=1, help="slices (replicas across them)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("libtpu") is None:
         parser.error("needs libtpu (pip install libtpu) for ahead-of-time TPU compilation")
+    unknown = set(args.algorithms.split(",")) - set(algorithms(C.param_shapes(8, 8, 2)))
+    if unknown:
+        parser.error(f"--algorithms: no case {sorted(unknown)[0]!r}")
     from jax.experimental import topologies
 
-    topo = topologies.get_topology_desc(topology_name=args.topology, platform="tpu")
+    extra = {"num_slices": args.slices} if args.slices > 1 else {}
+    topo = topologies.get_topology_desc(topology_name=args.topology, platform="tpu", **extra)
     devices, rows = topo.devices, []
-    print(f"{args.topology}: {len(devices)} {devices[0].device_kind} chips, H={H}, bf16")
     print(
-        "| params | R x D | algorithm | reducer | chunks | in flight under compute "
-        "| temp / chip (vs pmean) | total / chip (vs pmean) | compile s (vs pmean) |"
+        f"{args.slices} x {args.topology}: {len(devices)} {devices[0].device_kind} chips, "
+        f"H={H}, bf16, jax {jax.__version__} (ahead-of-time compilation, nothing run)"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| params | slices | R x D | case | reducer | chunks | sent / replica (DCN) "
+        "| vs ring | vs model | in flight | temp / chip (vs pmean) | compile CPU-s (vs pmean) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes.split(","):
         d_model, d_ff, layers = SIZES[size]
         shapes = C.param_shapes(d_model, d_ff, layers, jnp.bfloat16)
@@ -121,21 +159,23 @@ def main(argv=None) -> None:
             shard = size == "1b"  # a 1B outer state fits a v5e chip only split over data
             made = algorithms(shapes)
             base = compile_round(made["co2"](), mesh, shapes, d_model, shard,
-                                 reducer="pmean", spread=False)  # fmt: skip
+                                 reducer="pmean", spread=False, split_payload=False)  # fmt: skip
             for name in args.algorithms.split(","):
+                head = f"| {C.num_params(shapes) / 1e6:.0f}M | {args.slices} | {R}x{D} | {name} "
                 try:
                     row = compile_round(made[name](), mesh, shapes, d_model, shard)
                 except Exception as e:  # e.g. does not fit the chip
-                    print(f"| {size} | {R}x{D} | {name} | failed: {str(e).splitlines()[0][:120]} |")
+                    print(f"{head}| failed: {str(e).splitlines()[0][:120]} |", flush=True)
                     continue
-                row.update(size=size, R=R, D=D, algorithm=name, base=base)
+                row.update(size=size, R=R, D=D, slices=args.slices, algorithm=name, base=base)
                 rows.append(row)
                 print(
-                    f"| {C.num_params(shapes) / 1e6:.0f}M | {R}x{D} | {name} | {row['reducer']} "
-                    f"| {row['chunks']} | {row['hidden']:.0%} "
+                    f"{head}| {row['reducer']} | {row['chunks']} "
+                    f"| {C.fmt_bytes(row['sent'])} ({C.fmt_bytes(row['dcn'])}) "
+                    f"| {row['sent'] / row['ring']:.2f} | {row['sent'] / row['model']:.2f} "
+                    f"| {row['hidden']:.0%} "
                     f"| {row['temp_gib']:.2f} GiB "
                     f"({row['temp_gib'] / max(base['temp_gib'], 1e-9):.2f}x) "
-                    f"| {row['total_gib']:.2f} GiB ({row['total_gib'] / base['total_gib']:.2f}x) "
                     f"| {row['compile_s']:.0f} ({row['compile_s'] / base['compile_s']:.1f}x) |",
                     flush=True,
                 )

@@ -386,9 +386,13 @@ def sent_bytes(c: Collective) -> int:
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(?P<kind>\w+)"')
 
 
-def _megascale(line: str, recv_shapes: dict) -> tuple[int, int] | None:
-    """``(bytes, sent)`` of a megascale ``send`` (a cross-slice transfer), else None."""
-    if _MEGASCALE.search(line) is None or " send(" not in line:
+def _megascale(line: str, recv_shapes: dict, slices: int) -> tuple[int, int] | None:
+    """``(bytes, sent)`` of a megascale ``send`` (a cross-slice transfer among ``slices``
+    slices), else None: an all-gather's send is this device's piece, for the others; an
+    all-to-all's holds a piece for each slice, its own kept; an all-reduce's is the whole
+    buffer (a ring's 2 (S-1)/S of it)."""
+    kind = _MEGASCALE.search(line)
+    if kind is None or " send(" not in line:
         return None
     shapes = [
         (dt, [int(v) for v in dims.split(",") if v])
@@ -398,8 +402,14 @@ def _megascale(line: str, recv_shapes: dict) -> tuple[int, int] | None:
     piece = sum(int(np.prod(d, dtype=np.int64)) * _DTYPE_BYTES[dt] for dt, d in shapes[:1])
     rendezvous = re.search(r'_xla_host_transfer_rendezvous="([^"]+)"', line)
     result = recv_shapes.get(rendezvous.group(1) if rendezvous else None, piece)
-    slices = max(1, round(result / piece)) if piece else 1
-    return result, piece * (slices - 1)
+    kind = kind.group("kind")
+    if kind == "ALL_GATHER":
+        return result, piece * (slices - 1)
+    if kind == "ALL_TO_ALL":
+        return result, piece * (slices - 1) // slices
+    if kind == "ALL_REDUCE":
+        return result, 2 * piece * (slices - 1) // slices
+    return result, piece
 
 
 def _recv_bytes(hlo: str) -> dict:
@@ -431,6 +441,7 @@ def flights(hlo: str, mesh, axis: str) -> list[Flight]:
     """
     want = axis_groups(mesh, axis)
     dcn = crosses_slices(mesh, axis)
+    slices = len({_slice(d) for d in mesh.devices.flat})
     comps = _computations(hlo)
     counts = _counts(comps)
     members = {d: g for g in want for d in g}
@@ -476,7 +487,7 @@ def flights(hlo: str, mesh, axis: str) -> list[Flight]:
                     for c in by_computation.get(callee, ())
                     if spans(c)
                 ]
-            elif op == "send" and dcn and (moved := _megascale(line, recvs)) is not None:
+            elif op == "send" and dcn and (moved := _megascale(line, recvs, slices)) is not None:
                 kind = _MEGASCALE.search(line).group("kind").lower().replace("_", "-")
                 found, link = [(*moved, kind)], "dcn"
             if not found:

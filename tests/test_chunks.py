@@ -20,6 +20,7 @@ REDUCERS = {
     "topk_2bit": lambda: comm.all_gather_topk(4, chunk=16, values=comm.two_bit(block=4)),
     "topk_float": lambda: comm.all_gather_topk(3, chunk=10),
 }
+EXACT_BITS = ("pmean", "all_gather")  # an exact mean: bit for bit
 CLOSE = {  # summed in another order / shards re-quantized per piece: close, not equal
     "ring": lambda: comm.ring_mean(),
     "two_step_int8": lambda: comm.all_reduce_compressed(comm.int8(block=8)),
@@ -59,8 +60,12 @@ def test_chunks_equal_the_whole(name, K):
     want = jax.jit(jax.vmap(_whole(reducer), axis_name="replica"))(payload)
     got = jax.jit(jax.vmap(_spread(reducer, K), axis_name="replica"))(payload)
     for k in payload:
-        if name in REDUCERS:
+        if name in EXACT_BITS:
             np.testing.assert_array_equal(got[k], want[k])
+        elif name in REDUCERS:
+            # the same decoded values averaged, fused by XLA into differently shaped loops:
+            # float32 roundings apart (an encoding's arrays travel packed in one buffer)
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7)
         else:
             np.testing.assert_allclose(got[k], want[k], rtol=0.05, atol=0.05)
 
@@ -162,4 +167,7 @@ def test_chunks_of_mixed_groups_under_shard_map(name):
     want = body(_whole(reducer))(x, w)
     got = body(_spread(reducer, 3))(x, w)
     for a, b in zip(got, want, strict=True):
-        np.testing.assert_array_equal(a, b)
+        if name in EXACT_BITS:
+            np.testing.assert_array_equal(a, b)
+        else:  # decoded values averaged in differently fused loops: roundings apart
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -60,8 +60,10 @@ def test_shard_map_equals_mean(kind):
         np.testing.assert_allclose(got[k], want, **TOL)
     hlo = fn.lower(payload).compile().as_text()
     ops = {c.op for c in co2jax.hlo.over_axis(co2jax.hlo.collectives(hlo), mesh, "replica")}
-    expected = {"pmean": "all-reduce", "all_gather": "all-gather", "ring": None}[kind]
-    if expected:
+    expected = {"pmean": "all-reduce", "all_gather": "all-gather", "ring": None}.get(kind)
+    if kind == "scatter_gather":  # the reduce-scatter as an all-to-all, then the all-gather
+        assert {"all-to-all", "all-gather"} <= ops and "all-reduce" not in ops
+    elif expected:
         assert expected in ops
     else:  # a ring of collective-permutes: pairs, not groups
         assert any(c.op == "collective-permute" for c in co2jax.hlo.collectives(hlo))
@@ -137,3 +139,26 @@ def test_mixed_groups_are_gathered_apart():
         np.testing.assert_allclose(
             gw, np.broadcast_to(np.arange(12.0).reshape(4, 3).mean(0), (4, 3))
         )
+
+
+@pytest.mark.parametrize("dtypes", [("int8", "float32"), ("bfloat16", "int32", "bool", "uint8")])
+def test_packed_gather_equals_gathering_leaf_by_leaf(dtypes):
+    """One collective for an encoding's arrays (bit cast to bytes) gives exactly what a
+    collective per array gives, shapes that do not divide included."""
+    rng = np.random.default_rng(0)
+    shapes = [(3, 5), (7,), (2, 1, 3), (1,)]
+    tree = {
+        f"{dt}{i}": jnp.asarray(rng.normal(size=(4, *shapes[i])) * 100).astype(dt)
+        for i, dt in enumerate(dtypes)
+    }
+    gather = lambda packed: jax.vmap(
+        lambda t: comm.all_gather_tree(t, "replica", packed=packed), axis_name="replica"
+    )(tree)
+    packed, plain = gather(True), gather(False)
+    for k in tree:
+        assert packed[k].dtype == plain[k].dtype and packed[k].shape == (4, 4, *tree[k].shape[1:])
+        np.testing.assert_array_equal(np.asarray(packed[k]), np.asarray(plain[k]))
+    mesh = co2jax.make_mesh(replica=4, data=1, devices=jax.devices("cpu")[:4])
+    for packed, want in ((True, 1), (False, len(tree))):
+        fn = co2jax.replica_map(lambda t, p=packed: comm.all_gather_tree(t, "replica", p), mesh)
+        assert co2jax.axes.collectives_in(jax.make_jaxpr(fn)(tree).jaxpr, "replica") == want

@@ -193,12 +193,12 @@ def test_multislice_mesh_puts_the_replica_axis_across_slices():
 def test_replicas_on_separate_slices_send_their_chunks_over_dcn_under_compute(name, slices):
     """One replica per slice (v5e 2x2 slices, data=4): every chunk crosses the slices as
     megascale send/recv pairs issued inside its inner step and done after that step's
-    compute; each of a replica's 4 chips sends a quarter of the chunk (split_chunks=False:
+    compute; each of a replica's 4 chips sends a quarter of the chunk (split_payload=False:
     every chip sends all of it)."""
     mesh = co2jax.make_mesh(replica=slices, data=4, devices=_slices(slices))
     sent = {}
     for split in (True, False):
-        program, text = _compile(DELAYED[name](), mesh, split_chunks=split)
+        program, text = _compile(DELAYED[name](), mesh, split_payload=split)
         assert program.transfers[0].chunks == H
         found = hlo.flights(text, mesh, "replica")
         assert found and all(f.link == "dcn" and f.hidden and f.count == H for f in found)
@@ -458,6 +458,37 @@ def test_25m_delayed_reduction_is_in_flight_under_compute(name, wide_mesh):
     assert program.transfers[0].chunks == 4
     assert hlo.hidden_fraction(text, wide_mesh, "replica") >= 0.95
     assert not any(not f.hidden for f in hlo.flights(text, wide_mesh, "replica"))
+
+
+def _compressed_at_scale():
+    from co2jax import comm
+
+    nesterov = lambda: co2jax.outer_sgd(0.7, 0.9, True)
+    delayed = lambda codec: co2jax.delayed_diloco(
+        nesterov(), reduce=comm.all_gather_compressed(codec)
+    )
+    return {
+        "int8": lambda: delayed(comm.int8(block=128)),
+        "int8_error_feedback": lambda: co2jax.error_feedback(delayed(comm.int8(block=128))),
+        "fp4_error_feedback": lambda: co2jax.error_feedback(delayed(comm.fp4(block=128))),
+        "topk_error_feedback": lambda: co2jax.error_feedback(
+            delayed(comm.topk(64, chunk=4096)), decay=0.95
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(_compressed_at_scale()))
+def test_25m_compressed_payloads_are_in_flight_and_sent_once(name, wide_mesh):
+    """25M parameters, v5e 2x4, R = 2: an int8, FP4 or top-k payload, with or without error
+    feedback (its encoding cut along its blocks), in a chunk per step: every byte in flight
+    under compute (the encoding's arrays gathered in one collective), and a replica sends the
+    codec's bytes once (each of its 4 chips a quarter)."""
+    program, text = _model_round(_compressed_at_scale()[name](), wide_mesh)
+    assert program.transfers[0].chunks == 4 and program.plan.shards == 4
+    found = hlo.flights(text, wide_mesh, "replica")
+    assert hlo.hidden_fraction(text, wide_mesh, "replica") >= 0.95, found
+    sent = sum(f.sent * f.count for f in found) * 4  # the replica's 4 chips
+    assert 0.99 < sent / program.plan.wire_bytes < 1.01, (sent, program.plan.wire_bytes)
 
 
 def test_25m_whole_payload_is_synchronous_unspread(wide_mesh):

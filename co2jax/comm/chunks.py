@@ -116,10 +116,12 @@ def plan(
     group of at least :data:`MIN_ROWS` rows a chunk, else flat; 0: all flat).
 
     ``shards``: the devices inside one replica (its ``data`` x ``model`` axes) that a chunk
-    may be split over before it crosses the replica axis (:func:`reduce`). Only an exact
-    reducer's plain payload is split (an exact mean is element-wise, so each device reducing
-    its slice gives the whole chunk's mean); each group's chunk is padded to a multiple of
-    ``shards`` rows. A codec's chunk goes whole (a top-k selects over the whole chunk)."""
+    may be split over before it crosses the replica axis (:func:`reduce`); each group's
+    chunk is padded to a multiple of ``shards`` units (rows, or codec blocks): an exact mean
+    is element-wise and a codec encodes each block on its own (a scale per block, a top-k
+    per block), so each device reducing its whole units gives the whole chunk's values. An
+    encoded payload (error feedback's) is split along its wire arrays' units the same way.
+    Only a driver that knows the reducer is ``splittable`` asks for ``shards > 1``."""
     if isinstance(payload, Encoded):
         form = payload.form
         per_unit = [form.per_unit] * len(form.groups)
@@ -141,7 +143,6 @@ def plan(
         _row_plan(form, group, w) if w else None
         for group, w in zip(form.groups, widths, strict=True)
     )
-    shards = shards if not encoded and reducer.exact and reducer.codec is None else 1
     units = []
     for g, n in enumerate(sizes):
         if widths[g]:
@@ -216,8 +217,12 @@ def split(plan: Plan, payload: Any) -> list:
 
         def cut(a, g=g, total=total):
             # a plain vector's rows are elements; an encoding's leading axis holds a whole
-            # number of rows per unit (1, or a top-k's k values)
-            rows = plan.units[g] * (a.shape[0] // total) if plan.encoded else plan.elements(g)
+            # number of rows per unit (1, or a top-k's k values), and may carry padding units
+            # beyond the payload (a kernel's tile of blocks): those are dropped
+            per = a.shape[0] // total
+            rows = plan.units[g] * per if plan.encoded else plan.elements(g)
+            if plan.encoded:
+                a = a[: total * per]
             pad = [(0, plan.chunks * rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1)
             return jnp.pad(a, pad).reshape(plan.chunks, rows, *a.shape[1:])
 
@@ -245,7 +250,7 @@ def reduce(plan: Plan, reducer: Reducer, piece: list) -> list[jax.Array]:
     reduced slices inside the replica (its fast links) where the whole chunk is read. Left to
     the compiler, a chunk replicated inside the replica crosses the replica axis once per
     device (measured on TPU AOT: ``docs/overlap.md``)."""
-    whole = lambda p: list(values(reducer.reduce(as_payload(plan, p))))
+    whole = lambda p, at=plan: list(values(reducer.reduce(as_payload(at, p))))
     if plan.shards == 1:
         return whole(piece)
     mesh = jax.sharding.get_abstract_mesh()
@@ -255,10 +260,18 @@ def reduce(plan: Plan, reducer: Reducer, piece: list) -> list[jax.Array]:
             f"a chunk split over {plan.shards} devices, but the mesh's axes {inner} hold "
             f"{math.prod(mesh.shape[a] for a in inner)}"
         )
-    spec = [jax.sharding.PartitionSpec(inner)] * len(piece)
-    return jax.shard_map(whole, mesh=mesh, in_specs=(spec,), out_specs=spec, axis_names=set(inner))(
-        list(piece)
-    )
+    local = plan  # what one device holds: 1/shards of each group's units
+    if plan.encoded:
+        shapes = tuple((plan.elements(g) // plan.shards,) for g in range(len(plan.units)))
+        local = plan._replace(piece_form=dataclasses.replace(plan.piece_form, shapes=shapes))
+    split = jax.sharding.PartitionSpec(inner)
+    return jax.shard_map(
+        lambda p: whole(p, local),
+        mesh=mesh,
+        in_specs=(jax.tree.map(lambda _: split, list(piece)),),
+        out_specs=[split] * len(plan.units),
+        axis_names=set(inner),
+    )(list(piece))
 
 
 def piece_values(plan: Plan, piece: list) -> list[jax.Array]:

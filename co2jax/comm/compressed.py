@@ -78,7 +78,10 @@ def _gathered(name: str, codec: Codec, axis_name: str, form_type, **extra) -> Re
         return Encoded(data, form_type(*form.fields(), codec, **extra))
 
     wire = lambda shapes, r: gather_bytes(codec.wire_bytes(tree_size(shapes)), r)
-    return Reducer(name, gather_reduce(encode, axis_name), wire, encode, codec=codec)
+    # a codec encodes each of its blocks on its own: any whole blocks reduce alone
+    return Reducer(
+        name, gather_reduce(encode, axis_name), wire, encode, codec=codec, splittable=True
+    )
 
 
 def all_gather_compressed(codec: Codec, axis_name: str = REPLICA) -> Reducer:

@@ -40,7 +40,7 @@ import numpy as np
 
 from co2jax._checks import check_choice
 from co2jax.axes import REPLICA, axis_size
-from co2jax.comm.reducer import Encoded, Payload, Reducer
+from co2jax.comm.reducer import Encoded, Payload, Reducer, all_gather_tree
 from co2jax.tree import all_over_shards, tree_all_finite
 
 WEIGHT_RULES = ("tokens", "tokens_squared_per_step")
@@ -96,10 +96,15 @@ def weighted(
                 payload,
             )
         encoded = payload if isinstance(payload, Encoded) else reducer.encode(payload)
-        gathered = jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name), encoded)
-        return gathered.combine(jax.lax.all_gather(w, axis_name))
+        gathered, weights = all_gather_tree((encoded, w), axis_name)  # one collective
+        return gathered.combine(weights)
 
-    return reducer._replace(name=f"weighted({reducer.name})", reduce=reduce, gathered=False)
+    # not split over a replica's devices: the weight is a value of the replica's program
+    # (a split reduction runs in a region of its own), and a finiteness check sees the whole
+    # payload
+    return reducer._replace(
+        name=f"weighted({reducer.name})", reduce=reduce, gathered=False, splittable=False
+    )
 
 
 def token_weights(tokens, steps=None, rule: str = "tokens") -> np.ndarray:

@@ -14,6 +14,8 @@ made on top of it, both here:
 
 from __future__ import annotations
 
+from typing import Any
+
 from co2jax._checks import check_choice
 from co2jax.axes import bound_axis_size
 from co2jax.comm.reducer import (
@@ -23,7 +25,6 @@ from co2jax.comm.reducer import (
     Reducer,
     all_gather_stacked,
     exact_mean,
-    gather_reduce,
 )
 from co2jax.kernels.api import resolve
 
@@ -76,14 +77,16 @@ def chunk_count(span: int, payload_bytes: int, minimum: int = MIN_CHUNK_BYTES) -
 
 
 def chunk_shards(devices_per_replica: int) -> int:
-    """The devices of one replica that split each chunk of an exact reduction: all of them.
+    """The devices of one replica that split each chunk of a spread transfer: all of them.
 
     A replica's payload is replicated over its own devices (its ``data`` and ``model``
     axes). Left whole, every one of them sends the whole chunk over the replica axis: D
     copies of the payload on the slow link (compiled for two v5e 2x4 slices, each of the 8
     chips of a slice sent the whole chunk over DCN). Split, each sends 1/D and the replica
     sends the payload once; the reduced slices are gathered inside the replica over its fast
-    links when the payload is applied (``docs/overlap.md``).
+    links when the payload is applied (``docs/overlap.md``). A payload sent in one piece is
+    not split: compiled for TPU, the split spread into the inner loop (the parameters came
+    to be split over ``data`` and gathered at every step).
     """
     return max(1, int(devices_per_replica))
 
@@ -154,10 +157,14 @@ def select(
 def for_fused_update(reducer: Reducer, implementation: str, axis_name: str) -> Reducer:
     """``reducer``, or where the fused outer update runs as a kernel and ``reducer`` is an
     int8 (block 128) compressed all-gather, the same format in the kernel's layout
-    (:func:`~co2jax.comm.all_gather_stacked` with ``quantize="int8"``).
+    (:func:`~co2jax.comm.all_gather_stacked` with ``quantize="int8"``) for a whole plain
+    payload.
 
     The choice is made when traced, from the bound replica axis and the target backend (an
-    unbound axis, as in a separate job, keeps ``reducer``).
+    unbound axis, as in a separate job, keeps ``reducer``). What is encoded before the
+    reduction (error feedback's payload) is in ``reducer``'s own form, which a chunked round
+    can cut, and is reduced by ``reducer``; so is a payload cut into chunks or split over a
+    replica's devices (the result's ``unfused``): the kernel's layout is of a whole payload.
     """
     codec = reducer.codec
     if codec is None or codec.name != "int8" or codec.block != 128 or reducer.encode is None:
@@ -169,15 +176,18 @@ def for_fused_update(reducer: Reducer, implementation: str, axis_name: str) -> R
             return reducer
         return stacked
 
-    def encode(payload: Payload) -> Encoded:
-        return pick(bound_axis_size(axis_name)).encode(payload)
+    def reduce(payload: Payload) -> Any:
+        if isinstance(payload, Encoded):
+            return reducer.reduce(payload)
+        return pick(bound_axis_size(axis_name)).reduce(payload)
 
     def wire(shapes, replicas: int) -> float:
         return pick(replicas).wire_bytes(shapes, replicas)
 
     return reducer._replace(
+        splittable=False,
         name=reducer.name + "/fused",
-        reduce=gather_reduce(encode, axis_name),
+        reduce=reduce,
         wire_bytes=wire,
-        encode=encode,
+        unfused=reducer,
     )

@@ -38,6 +38,7 @@ from co2jax.kernels.api import gather_layout
 from co2jax.kernels.layout import Gathered, Part
 from co2jax.kernels.spec import LANES
 from co2jax.tree import (
+    by_varying_axes,
     common_dtype,
     flatten,
     tree_bytes,
@@ -47,7 +48,7 @@ from co2jax.tree import (
 )
 
 Payload = Any
-EXACT = ("pmean", "all_gather", "ring")
+EXACT = ("pmean", "all_gather", "ring", "scatter_gather")
 
 
 class Reducer(NamedTuple):
@@ -74,6 +75,10 @@ class Reducer(NamedTuple):
       reach: whose payloads a replica receives: ``"all"`` (every replica's: a mean, a
         gather) or ``"group"`` (its group mates' only: gossip), which has no all-replica
         reduction to weight or to exchange between jobs.
+      splittable: reducing any whole units of the payload (elements, or the codec's blocks)
+        on their own gives those units of the whole reduction: an exact mean, or a gather of
+        a codec that encodes each block on its own. A driver may then split a payload over
+        a replica's devices (:func:`co2jax.comm.chunks.reduce`).
     """
 
     name: str
@@ -85,6 +90,8 @@ class Reducer(NamedTuple):
     exact: bool = False
     chunkable: bool = True
     reach: str = "all"
+    splittable: bool = False
+    unfused: Any = None
 
     def __call__(self, payload: Payload) -> Any:
         return self.reduce(payload)
@@ -239,15 +246,81 @@ def _flat_encode(payload: Payload) -> Encoded:
     return Encoded(data, _Flat(*form.fields()))
 
 
+_WORDS = 128
+"""Row width (32-bit words) of :func:`all_gather_tree`'s packed buffer."""
+
+
+def _as_bytes(x: jax.Array) -> jax.Array:
+    """``x``'s bytes as a flat ``uint8`` vector (exact: a bit cast)."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(b: jax.Array, like: jax.Array) -> jax.Array:
+    """The inverse of :func:`_as_bytes` for each of the leading dims of ``b`` (``[R, n]``)."""
+    dtype = jnp.uint8 if like.dtype == jnp.bool_ else like.dtype
+    size = jnp.dtype(dtype).itemsize
+    shaped = b.reshape(b.shape[0], *like.shape, *((size,) if size > 1 else ()))
+    out = jax.lax.bitcast_convert_type(shaped, dtype)
+    return out.astype(jnp.bool_) if like.dtype == jnp.bool_ else out
+
+
+def _gather_packed(leaves: list, axis_name: str) -> list:
+    """``leaves`` all-gathered as one byte buffer (one leaf: as it is)."""
+    if len(leaves) == 1:
+        return [jax.lax.all_gather(leaves[0], axis_name)]
+    flat = [_as_bytes(x) for x in leaves]
+    buffer = jnp.concatenate(flat)
+    # as 32-bit words, in rows of 128 once padding them costs under 1%: the layout of a
+    # float32 array's tiles (a flat byte vector was gathered by XLA:TPU as a synchronous
+    # all-reduce of a zero-padded buffer)
+    row = 4 * _WORDS if buffer.size >= 100 * 4 * _WORDS else 4
+    buffer = jnp.pad(buffer, (0, (-buffer.size) % row))
+    words = jax.lax.bitcast_convert_type(buffer.reshape(-1, 4), jnp.uint32)
+    gathered = jax.lax.all_gather(words.reshape(-1, row // 4), axis_name)
+    gathered = jax.lax.bitcast_convert_type(gathered, jnp.uint8).reshape(gathered.shape[0], -1)
+    out, offset = [], 0
+    for x, b in zip(leaves, flat, strict=True):
+        out.append(_from_bytes(gathered[:, offset : offset + b.size], x))
+        offset += b.size
+    return out
+
+
+def all_gather_tree(tree: Any, axis_name: str, packed: bool = True) -> Any:
+    """Every leaf of ``tree`` all-gathered over ``axis_name`` (a leading ``[R]`` axis).
+
+    ``packed``: several leaves travel as one byte buffer in one collective (bit cast, so
+    exactly the same values). XLA:TPU keeps one asynchronous collective in flight under an
+    inner step: an encoding's second array (int8 values and their scales, top-k values and
+    indices) gathered on its own was synchronous (25M parameters, int8: 3% of the bytes in
+    flight; ``docs/overlap.md``). ``packed=False`` gathers leaf by leaf (the twin the tests
+    compare with).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> tree = {"q": jnp.array([[1, -2]], jnp.int8), "s": jnp.array([[0.5]])}
+      >>> out = jax.vmap(lambda t: all_gather_tree(t, "r"), axis_name="r")(tree)
+      >>> out["q"].shape, out["s"][0, 0, 0].item()
+      ((1, 1, 2), 0.5)
+    """
+    if not packed or len(jax.tree.leaves(tree)) < 2:
+        return jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name), tree)
+    # leaves that vary over different mesh axes (inside shard_map) are packed apart: packed
+    # together, a leaf would take on the other's axes
+    return by_varying_axes(tree, lambda group: _gather_packed(group, axis_name))
+
+
 def gather_reduce(encode: Callable[[Payload], Encoded], axis_name: str) -> Callable:
-    """The in-program reduce of a gather form: all-gather the encoding, combine it."""
+    """The in-program reduce of a gather form: all-gather the encoding (its arrays in one
+    collective, :func:`all_gather_tree`), combine it."""
 
     def reduce(payload: Payload) -> Any:
         axis_size(axis_name)
         if not jax.tree.leaves(payload):
             return payload
         encoded = payload if isinstance(payload, Encoded) else encode(payload)
-        return jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name), encoded).combine()
+        return all_gather_tree(encoded, axis_name).combine()
 
     return reduce
 
@@ -279,7 +352,7 @@ def pmean(axis_name: str = REPLICA) -> Reducer:
         return jax.tree.map(lambda x: jax.lax.pmean(x, axis_name), payload)
 
     wire = lambda shapes, r: ring_bytes(tree_bytes(shapes), r)
-    return Reducer("pmean", reduce, wire, _flat_encode, exact=True)
+    return Reducer("pmean", reduce, wire, _flat_encode, exact=True, splittable=True)
 
 
 def all_gather_mean(axis_name: str = REPLICA) -> Reducer:
@@ -299,7 +372,12 @@ def all_gather_mean(axis_name: str = REPLICA) -> Reducer:
         tree_size(shapes) * jnp.dtype(common_dtype(jax.tree.leaves(shapes))).itemsize, r
     )
     return Reducer(
-        "all_gather", gather_reduce(_flat_encode, axis_name), wire, _flat_encode, exact=True
+        "all_gather",
+        gather_reduce(_flat_encode, axis_name),
+        wire,
+        _flat_encode,
+        exact=True,
+        splittable=True,
     )
 
 
@@ -340,13 +418,65 @@ def ring_mean(axis_name: str = REPLICA) -> Reducer:
         return form.assemble([ring(flatten(g)[0], r) for g in groups])
 
     wire = lambda shapes, r: ring_bytes(4 * tree_size(shapes), r)  # sent as float32
-    return Reducer("ring", reduce, wire, _flat_encode, exact=True)
+    return Reducer("ring", reduce, wire, _flat_encode, exact=True, splittable=True)
+
+
+def scatter_gather_mean(axis_name: str = REPLICA) -> Reducer:
+    """Reduce-scatter by an all-to-all, then all-gather: the ring's bytes, 2 (R-1)/R of the
+    payload, in two collectives instead of the ring's 2 (R-1) dependent steps.
+
+    Each group of leaves (one leaf keeps its shape; several are flattened in their common
+    dtype) is cut along its leading axis into R pieces; the all-to-all hands replica i the
+    R replicas' piece i, which it averages in float32 (replica order) and casts back; the
+    all-gather returns every averaged piece to every replica. At R = 2 an all-gather of the
+    payload sends the same bytes in one collective; above, it sends (R-1) of the payload,
+    up to R/2 times the ring's.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> x = jnp.arange(12.0).reshape(4, 3)  # 4 replicas, 3 elements each
+      >>> jax.vmap(scatter_gather_mean("replica"), axis_name="replica")(x)[0]
+      Array([4.5, 5.5, 6.5], dtype=float32)
+    """
+    check_axis_name("axis_name", axis_name)
+
+    def mean(x: jax.Array, r: int) -> jax.Array:
+        n = x.shape[0]
+        pieces = jnp.pad(x, [(0, (-n) % r)] + [(0, 0)] * (x.ndim - 1))
+        pieces = pieces.reshape(r, -1, *x.shape[1:])
+        mine = jax.lax.all_to_all(pieces, axis_name, 0, 0)  # [R, n/R, ...]: piece i of each
+        reduced = jnp.mean(mine.astype(jnp.float32), axis=0).astype(x.dtype)
+        return jax.lax.all_gather(reduced, axis_name, tiled=True)[:n]
+
+    def reduce(payload: Payload) -> Payload:
+        r = axis_size(axis_name)
+        if r == 1 or not jax.tree.leaves(payload):
+            return payload
+        form, groups = Grouped.of(payload)
+        out = []
+        for g in groups:
+            if len(g) == 1 and g[0].ndim >= 1:
+                out.append(mean(g[0], r))
+            else:
+                out.append(mean(flatten(g, common_dtype(g))[0], r))
+        return form.assemble(out)
+
+    wire = lambda shapes, r: ring_bytes(
+        tree_size(shapes) * jnp.dtype(common_dtype(jax.tree.leaves(shapes))).itemsize, r
+    )
+    return Reducer("scatter_gather", reduce, wire, _flat_encode, exact=True, splittable=True)
 
 
 def exact_mean(kind: str, axis_name: str = REPLICA) -> Reducer:
     """The exact mean named ``kind`` (one of ``EXACT``)."""
     check_choice("reducer", kind, EXACT)
-    return {"pmean": pmean, "all_gather": all_gather_mean, "ring": ring_mean}[kind](axis_name)
+    kinds = {
+        "pmean": pmean,
+        "all_gather": all_gather_mean,
+        "ring": ring_mean,
+        "scatter_gather": scatter_gather_mean,
+    }
+    return kinds[kind](axis_name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,7 @@ from co2jax.comm import chunks
 from co2jax.comm.reducer import values
 from co2jax.engines import gradients
 from co2jax.engines.layout import constrain
+from co2jax.engines.program import splits
 from co2jax.engines.walk import Segment, Walk
 from co2jax.protocol import OuterOptimizer
 from co2jax.tree import tree_select, varying_like
@@ -124,7 +125,8 @@ class RoundDriver:
         if t.chunks == 1:
             self.store[i] = (payload, self.reducers[i](payload))
             return c
-        self.plans[i] = chunks.plan(payload, self.reducers[i], t.chunks, shards=self.shards)
+        shards = self.shards if splits(self.reducers[i], self.shards) else 1
+        self.plans[i] = chunks.plan(payload, self.reducers[i], t.chunks, shards=shards)
         return self._hold(c, i, chunks.fill(self.plans[i], payload, varying_like))
 
     def chunk(self, c: Carry, i: int, k: Any) -> Carry:

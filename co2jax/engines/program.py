@@ -101,6 +101,13 @@ def spread_schedule(
     return spread_transfers(transfers, count)
 
 
+def splits(reducer: Reducer, shards: int) -> bool:
+    """Whether a chunked payload for ``reducer`` goes split over ``shards`` devices
+    (:func:`co2jax.comm.chunks.reduce`): when the reducer is ``splittable``, and neither
+    hands the payloads to a fused update gathered nor stands only whole."""
+    return shards > 1 and reducer.splittable and reducer.chunkable and not reducer.gathered
+
+
 def wire_bytes(
     run: tuple, payload_shapes: list, reducers: tuple, replicas: int, shards: int = 1
 ) -> float:
@@ -110,7 +117,9 @@ def wire_bytes(
         if t.chunks == 1:
             total += reducer.wire_bytes(shapes, replicas)
             continue
-        cut = chunks.plan(shapes, reducer, t.chunks, shards=shards)
+        cut = chunks.plan(
+            shapes, reducer, t.chunks, shards=shards if splits(reducer, shards) else 1
+        )
         piece = [
             jax.ShapeDtypeStruct(cut.piece_shape(g), cut.dtypes[g]) for g in range(len(cut.units))
         ]
@@ -130,16 +139,16 @@ def choose(
     replicas: int,
     split_state: bool = False,
     devices_per_replica: int = 1,
-    split_chunks: bool = True,
+    split_payload: bool = True,
 ) -> RoundPlan:
     """The :class:`RoundPlan` of ``outer``'s resolved ``transfers`` on a mesh of
     ``platform`` with ``replicas`` replicas (``reducer``: the engine's choice).
     ``split_state``: the outer state is split inside each replica; a compiled fused kernel
     runs whole on each device (:func:`co2jax.kernels.layout.whole_per_device`), so on a
     platform that compiles it the replicas' payloads are averaged before the update
-    instead of being handed to it gathered. ``split_chunks``: a chunk of an exact reduction
-    is split over the replica's ``devices_per_replica`` devices, each sending its slice
-    (:func:`co2jax.comm.policy.chunk_shards`)."""
+    instead of being handed to it gathered. ``split_payload``: each chunk of a spread
+    transfer is split over the replica's ``devices_per_replica`` devices, each sending its
+    slice (:func:`co2jax.comm.policy.chunk_shards`)."""
     run = spread_schedule(outer, transfers, spread, platform, payload_shapes)
     gathered = outer.accepts_gathered and not (split_state and platform in LOWERED)
     chosen = [
@@ -157,8 +166,13 @@ def choose(
         )
         for t, shapes in zip(run, payload_shapes, strict=True)
     ]
-    reducers = tuple(r for _, r in chosen)
-    shards = policy.chunk_shards(devices_per_replica) if split_chunks else 1
+    shards = policy.chunk_shards(devices_per_replica) if split_payload else 1
+    # a payload cut into chunks cannot use a fused kernel's whole-payload layout: its
+    # reducer without it
+    reducers = tuple(
+        r.unfused if r.unfused is not None and t.chunks > 1 else r
+        for t, (_, r) in zip(run, chosen, strict=True)
+    )
     return RoundPlan(
         run,
         reducers,

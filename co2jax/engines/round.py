@@ -132,10 +132,11 @@ class RoundTrainer:
         for it (compiled kernels are).
       exclude_nonfinite: leave a replica whose payload has a NaN or an Inf out of that
         reduction (its weight 0, :mod:`co2jax.comm.participation`) instead of averaging it.
-      split_chunks: a spread transfer's chunk of an exact reduction is split over the
-        replica's devices, each sending its slice over the replica axis (the replica sends
-        its payload once; :func:`co2jax.comm.policy.chunk_shards`). ``False``: every device
-        sends the whole chunk (the compiler's choice; the same values).
+      split_payload: each chunk of a spread transfer is split over the replica's devices,
+        each sending its slice over the replica axis (the replica sends its payload once:
+        :func:`co2jax.comm.policy.chunk_shards`). ``False``: every device sends the whole
+        chunk (what the compiler does with a replicated payload; the same values). A payload
+        sent in one piece, or by a reducer that is not ``splittable``, goes whole.
 
     Participation (:meth:`round`'s ``weights``, ``steps``): each reduction is weighted
     (:func:`co2jax.comm.weighted`); every replica applies the same reduced payload, so a
@@ -158,7 +159,7 @@ class RoundTrainer:
         donate: bool = True,
         check_vma: bool = True,
         exclude_nonfinite: bool = False,
-        split_chunks: bool = True,
+        split_payload: bool = True,
     ):
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got loss_fn={loss_fn!r}")
@@ -188,7 +189,7 @@ class RoundTrainer:
         self._donate = donate
         self._check_vma = bool(check_vma)
         self.exclude_nonfinite = bool(exclude_nonfinite)
-        self.split_chunks = check_flag("split_chunks", split_chunks)
+        self.split_payload = check_flag("split_payload", split_payload)
         self._programs: dict = {}
         self._inits: dict = {}
         self._specs: dict = {}
@@ -331,7 +332,7 @@ class RoundTrainer:
             replicas=self.replicas,
             split_state=self.layout.sharded,
             devices_per_replica=self.mesh.devices.size // self.replicas,
-            split_chunks=self.split_chunks,
+            split_payload=self.split_payload,
         )
         return plan, self._per_replica_specs(one(state.params))
 
