@@ -397,7 +397,7 @@ def _megascale(line: str, recv_shapes: dict, slices: int) -> tuple[int, int] | N
     shapes = [
         (dt, [int(v) for v in dims.split(",") if v])
         for dt, dims in _SHAPE.findall(line.split(" send(")[0])
-        if dt in _DTYPE_BYTES and dt != "u32"
+        if dt in _DTYPE_BYTES  # the data, then a u32[] and a token
     ]
     piece = sum(int(np.prod(d, dtype=np.int64)) * _DTYPE_BYTES[dt] for dt, d in shapes[:1])
     rendezvous = re.search(r'_xla_host_transfer_rendezvous="([^"]+)"', line)
@@ -422,7 +422,7 @@ def _recv_bytes(hlo: str) -> dict:
         shapes = [
             (dt, [int(v) for v in dims.split(",") if v])
             for dt, dims in _SHAPE.findall(line.split(" recv(")[0])
-            if dt in _DTYPE_BYTES and dt != "u32"
+            if dt in _DTYPE_BYTES  # the data, then a u32[] and a token
         ]
         if rendezvous and shapes:
             dt, dims = shapes[0]

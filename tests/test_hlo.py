@@ -36,8 +36,8 @@ def test_groups_are_numbered_inside_each_slice():
     assert not hlo.crosses_slices(ONE_SLICE, "replica")
 
 
-def _program(body_between: str, in_slice: str = "") -> str:
-    """A loop body that sends a [1, 768, 1024] bf16 piece to the other slice around
+def _program(body_between: str, in_slice: str = "", dtype: str = "bf16") -> str:
+    """A loop body that sends a [1, 768, 1024] piece (of ``dtype``) to the other slice around
     ``body_between``; the ENTRY runs the body's loop 4 times."""
     attrs = (
         'frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",'
@@ -52,9 +52,9 @@ def _program(body_between: str, in_slice: str = "") -> str:
             "",
             "%body (param: (s32[], bf16[1,768,1024])) -> (s32[], bf16[1,768,1024]) {",
             "  %after-all.2 = token[] after-all()",
-            "  %send.2 = (bf16[1,768,1024]{2,1,0}, u32[], token[]) send(%piece, %after-all.2),"
+            f"  %send.2 = ({dtype}[1,768,1024]{{2,1,0}}, u32[], token[]) send(%piece, %after-all.2),"
             f" channel_id=2, is_host_transfer=true, {attrs}",
-            "  %recv.2 = (bf16[2,768,1024]{2,1,0}, u32[], token[]) recv(%after-all.2),"
+            f"  %recv.2 = ({dtype}[2,768,1024]{{2,1,0}}, u32[], token[]) recv(%after-all.2),"
             f" channel_id=1, is_host_transfer=true, {attrs}",
             body_between,
             in_slice,
@@ -83,6 +83,13 @@ def test_a_cross_slice_send_is_a_dcn_transfer_in_flight_under_compute():
     assert (f.op, f.link, f.count, f.hidden) == ("all-gather", "dcn", 4, True)
     assert f.bytes == 2 * piece and f.sent == piece  # 2 slices: the piece goes to the other
     assert hlo.hidden_fraction(_program(COMPUTE), ONE_PER_SLICE, "replica") == 1.0
+
+
+def test_a_packed_payload_of_32_bit_words_is_read_by_its_data_not_its_u32_counter():
+    """An encoding packed as uint32 words (co2jax.comm.all_gather_tree): the send's first
+    element is the data, its u32[] beside it a counter."""
+    [f] = hlo.flights(_program(COMPUTE, dtype="u32"), ONE_PER_SLICE, "replica")
+    assert f.sent == 768 * 1024 * 4 and f.bytes == 2 * f.sent
 
 
 def test_a_cross_slice_send_without_compute_before_its_done_is_synchronous():

@@ -212,6 +212,28 @@ def test_replicas_on_separate_slices_send_their_chunks_over_dcn_under_compute(na
     assert sent[True] * 4 == sent[False]
 
 
+def test_an_int8_payload_with_error_feedback_crosses_slices_packed_and_split():
+    """int8 with error feedback on 2 slices: its codes and scales cross DCN as one packed
+    send per chunk (32-bit words), in flight under the step, each chip sending a quarter."""
+    from co2jax import comm
+
+    mesh = co2jax.make_mesh(replica=2, data=4, devices=_slices(2))
+    make = lambda: co2jax.error_feedback(
+        co2jax.delayed_diloco(
+            optax.sgd(0.7, momentum=0.9, nesterov=True),
+            reduce=comm.all_gather_compressed(comm.int8(block=128)),
+        )
+    )
+    sent = {}
+    for split in (True, False):
+        program, text = _compile(make(), mesh, split_payload=split)
+        found = hlo.flights(text, mesh, "replica")
+        assert found and all(f.link == "dcn" and f.hidden and f.count == H for f in found)
+        sent[split] = sum(f.sent * f.count for f in found)
+    assert sent[True] * 4 == pytest.approx(sent[False], rel=0.01)
+    assert sent[True] * 4 == pytest.approx(program.plan.wire_bytes, rel=0.01)
+
+
 def test_25m_on_two_slices_is_in_flight_under_compute():
     """25M parameters, 2 slices of v5e 2x4, one replica per slice: the chunks' cross-slice
     transfers are in flight under the inner steps' compute."""
