@@ -52,8 +52,8 @@ def _program(body_between: str, in_slice: str = "", dtype: str = "bf16") -> str:
             "",
             "%body (param: (s32[], bf16[1,768,1024])) -> (s32[], bf16[1,768,1024]) {",
             "  %after-all.2 = token[] after-all()",
-            f"  %send.2 = ({dtype}[1,768,1024]{{2,1,0}}, u32[], token[]) send(%piece, %after-all.2),"
-            f" channel_id=2, is_host_transfer=true, {attrs}",
+            f"  %send.2 = ({dtype}[1,768,1024]{{2,1,0}}, u32[], token[])"
+            f" send(%piece, %after-all.2), channel_id=2, is_host_transfer=true, {attrs}",
             f"  %recv.2 = ({dtype}[2,768,1024]{{2,1,0}}, u32[], token[]) recv(%after-all.2),"
             f" channel_id=1, is_host_transfer=true, {attrs}",
             body_between,
