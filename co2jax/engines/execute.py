@@ -32,7 +32,7 @@ from co2jax.comm import chunks
 from co2jax.comm.reducer import values
 from co2jax.engines import gradients
 from co2jax.engines.layout import constrain
-from co2jax.engines.program import splits
+from co2jax.engines.program import split_over
 from co2jax.engines.walk import Segment, Walk
 from co2jax.protocol import OuterOptimizer
 from co2jax.tree import tree_select, varying_like
@@ -125,7 +125,7 @@ class RoundDriver:
         if t.chunks == 1:
             self.store[i] = (payload, self.reducers[i](payload))
             return c
-        shards = self.shards if splits(self.reducers[i], self.shards) else 1
+        shards = split_over(self.reducers[i], self.shards)
         self.plans[i] = chunks.plan(payload, self.reducers[i], t.chunks, shards=shards)
         return self._hold(c, i, chunks.fill(self.plans[i], payload, varying_like))
 

@@ -101,11 +101,12 @@ def spread_schedule(
     return spread_transfers(transfers, count)
 
 
-def splits(reducer: Reducer, shards: int) -> bool:
-    """Whether a chunked payload for ``reducer`` goes split over ``shards`` devices
-    (:func:`co2jax.comm.chunks.reduce`): when the reducer is ``splittable``, and neither
-    hands the payloads to a fused update gathered nor stands only whole."""
-    return shards > 1 and reducer.splittable and reducer.chunkable and not reducer.gathered
+def split_over(reducer: Reducer, shards: int) -> int:
+    """The devices a chunked payload for ``reducer`` is split over
+    (:func:`co2jax.comm.chunks.reduce`): ``shards`` when the reducer is ``splittable``, and
+    neither hands the payloads to a fused update gathered nor stands only whole; else 1."""
+    ok = reducer.splittable and reducer.chunkable and not reducer.gathered
+    return shards if ok else 1
 
 
 def wire_bytes(
@@ -117,9 +118,7 @@ def wire_bytes(
         if t.chunks == 1:
             total += reducer.wire_bytes(shapes, replicas)
             continue
-        cut = chunks.plan(
-            shapes, reducer, t.chunks, shards=shards if splits(reducer, shards) else 1
-        )
+        cut = chunks.plan(shapes, reducer, t.chunks, shards=split_over(reducer, shards))
         piece = [
             jax.ShapeDtypeStruct(cut.piece_shape(g), cut.dtypes[g]) for g in range(len(cut.units))
         ]
