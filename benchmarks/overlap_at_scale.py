@@ -19,11 +19,15 @@ size, replica count R, slice count and case (algorithm and payload) it prints
 
 Models: the benchmarks' residual MLP (pre-norm blocks, layers scanned, bf16): d_model 1024,
 d_ff 4096 (8.4M parameters a layer) up to 100M, and d_model 2048, d_ff 8192 (33.6M a layer)
-for 1B (outer state split over data). H = 4 inner steps (chunks are per step); Streaming
-DiLoCo: 2 fragments, H = 8, tau = 1 or 2 (its ratios are against the pmean round of H = 4).
+for 1B. H = 4 inner steps unless ``--steps`` (chunks are per step: at 1B, H = 4 makes a
+chunk a quarter of the payload, which XLA:TPU schedules synchronously at R = 4; H = 16 keeps
+it in flight); Streaming DiLoCo: 2 fragments, 2 H steps, tau = 1 or 2 (its ratios are against
+the pmean round of H steps). The outer state is split over data for 1B (``--shard-outer-state``
+``on`` / ``off`` for any size; the baseline takes the same layout).
 
     JAX_PLATFORMS=cpu python benchmarks/overlap_at_scale.py              # 25M-100M, R = 2, 4
     JAX_PLATFORMS=cpu python benchmarks/overlap_at_scale.py --slices 2   # replicas on 2 slices
+    JAX_PLATFORMS=cpu python benchmarks/overlap_at_scale.py --sizes 1b --replicas 2,4 --steps 16
     JAX_PLATFORMS=cpu python benchmarks/overlap_at_scale.py --sizes 1b --replicas 8 \
         --topology v5e:4x4
 """
@@ -51,8 +55,9 @@ SIZES = {  # name: (d_model, d_ff, layers)
 H = 4
 
 
-def algorithms(shapes) -> dict:
-    """Each case: (algorithm, payload) as its factory."""
+def algorithms(shapes, steps: int = H) -> dict:
+    """Each case: (algorithm, payload) as its factory; rounds of ``steps`` inner steps
+    (Streaming DiLoCo: ``2 steps``)."""
     nesterov = lambda: co2jax.outer_sgd(0.7, 0.9, nesterov=True)
     layers = shapes["w1"].shape[0]
     frags = lambda: co2jax.fragments.make_fragments(
@@ -60,7 +65,7 @@ def algorithms(shapes) -> dict:
     )
     gather = lambda codec: comm.all_gather_compressed(codec)
     delayed = lambda reduce: co2jax.delayed_diloco(nesterov(), reduce=reduce)
-    streaming = lambda tau: co2jax.streaming_diloco(nesterov(), frags(), 2 * H, tau=tau)
+    streaming = lambda tau: co2jax.streaming_diloco(nesterov(), frags(), 2 * steps, tau=tau)
     return {
         "co2": lambda: co2jax.co2(0.7, 0.5, clip_threshold=1.0),
         "delayed_diloco": lambda: co2jax.delayed_diloco(nesterov()),
@@ -85,9 +90,9 @@ def replica_bytes(flights, devices_per_replica: int) -> tuple[float, float]:
     return total, dcn
 
 
-def compile_round(outer, mesh, shapes, d_model, shard, **kw):
+def compile_round(outer, mesh, shapes, d_model, shard, steps=H, **kw):
     R, D = mesh.shape["replica"], mesh.shape["data"]
-    steps = outer.period or H
+    steps = outer.period or steps
     trainer = co2jax.RoundTrainer(
         C.loss_fn, C.inner_optimizer(), outer, mesh, steps, shard_outer_state=shard, **kw
     )
@@ -129,8 +134,17 @@ def main(argv=None) -> None:
     parser.add_argument("--algorithms", default=",".join(algorithms(C.param_shapes(8, 8, 2))))
     parser.add_argument("--topology", default="v5e:2x4", help="one slice's topology")
     parser.add_argument("--slices", type=int, default=1, help="slices (replicas across them)")
+    parser.add_argument("--steps", type=int, default=H, help="inner steps H (chunks per round)")
+    parser.add_argument(
+        "--shard-outer-state",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="split the outer state over data (auto: for 1b only, where it must to fit)",
+    )
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: must be >= 1")
     if importlib.util.find_spec("libtpu") is None:
         parser.error("needs libtpu (pip install libtpu) for ahead-of-time TPU compilation")
     unknown = set(args.algorithms.split(",")) - set(algorithms(C.param_shapes(8, 8, 2)))
@@ -143,7 +157,7 @@ def main(argv=None) -> None:
     devices, rows = topo.devices, []
     print(
         f"{args.slices} x {args.topology}: {len(devices)} {devices[0].device_kind} chips, "
-        f"H={H}, bf16, jax {jax.__version__} (ahead-of-time compilation, nothing run)"
+        f"H={args.steps}, bf16, jax {jax.__version__} (ahead-of-time compilation, nothing run)"
     )
     print(
         "| params | slices | R x D | case | reducer | chunks | sent / replica (DCN) "
@@ -156,18 +170,19 @@ def main(argv=None) -> None:
         for R in map(int, args.replicas.split(",")):
             D = len(devices) // R
             mesh = co2jax.make_mesh(replica=R, data=D, devices=devices)
-            shard = size == "1b"  # a 1B outer state fits a v5e chip only split over data
-            made = algorithms(shapes)
-            base = compile_round(made["co2"](), mesh, shapes, d_model, shard,
+            shard = {"on": True, "off": False}.get(args.shard_outer_state, size == "1b")
+            made = algorithms(shapes, args.steps)
+            base = compile_round(made["co2"](), mesh, shapes, d_model, shard, args.steps,
                                  reducer="pmean", spread=False, split_payload=False)  # fmt: skip
             for name in args.algorithms.split(","):
                 head = f"| {C.num_params(shapes) / 1e6:.0f}M | {args.slices} | {R}x{D} | {name} "
                 try:
-                    row = compile_round(made[name](), mesh, shapes, d_model, shard)
+                    row = compile_round(made[name](), mesh, shapes, d_model, shard, args.steps)
                 except Exception as e:  # e.g. does not fit the chip
                     print(f"{head}| failed: {str(e).splitlines()[0][:120]} |", flush=True)
                     continue
                 row.update(size=size, R=R, D=D, slices=args.slices, algorithm=name, base=base)
+                row.update(steps=args.steps, shard_outer_state=shard)
                 rows.append(row)
                 print(
                     f"{head}| {row['reducer']} | {row['chunks']} "
