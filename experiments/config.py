@@ -48,7 +48,7 @@ ALGORITHMS = registry.NAMES  # the library's algorithm registry
 DEFAULT_ALGORITHM = "diloco"
 DATA_KINDS = ("markov", "text", "stdlib", "tokens")
 SCHEDULES = ("constant", "cosine")
-TOKEN_DTYPES = ("uint16", "uint32")
+TOKEN_DTYPES = ("auto", "uint16", "uint32")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")  # experiments.model's compute dtypes
 
 
@@ -77,10 +77,16 @@ class DataConfig:
         "markov", "markov: synthetic, built in; text/stdlib: bytes of files or of Python's "
         "standard library; tokens: a .bin token file", DATA_KINDS,
     )  # fmt: skip
-    path: str | None = setting(None, "text: a file, directory or glob; tokens: a .bin file")
+    path: str | None = setting(
+        None, "text: a file, directory or glob; tokens: a .bin file (python -m "
+        "experiments.tokenize_corpus makes one)",
+    )  # fmt: skip
     vocab_size: int = setting(64, "markov: alphabet size; tokens: the tokenizer's vocabulary")
     branching: int = setting(4, "markov: next-token choices per state")
-    token_dtype: str = setting("uint16", "tokens: the token file's integer type", TOKEN_DTYPES)
+    token_dtype: str = setting(
+        "auto", "tokens: the token file's integer type (auto: its sidecar's, else uint16)",
+        TOKEN_DTYPES,
+    )  # fmt: skip
     max_bytes: int = setting(20_000_000, "text/stdlib: cap on the corpus size in bytes")
     iid: bool = setting(True, "false: replica r draws from its own source or partition")
     batch: int = setting(8, "sequences per replica per inner step (split over mesh.data)")

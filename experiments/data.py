@@ -224,8 +224,9 @@ def make_streams(kind: str | Mapping[str, Any], /, **options: Any) -> ReplicaStr
       ``[source_seed, r]``.
     * ``text``: ``path`` (file, directory, glob or list), ``max_bytes`` (None).
     * ``stdlib``: ``max_bytes`` (20 MB) of :func:`stdlib_corpus`.
-    * ``tokens``: ``path`` to a ``.bin``, ``token_dtype`` ('uint16'), ``vocab_size``
-      (default: max id + 1).
+    * ``tokens``: ``path`` to a ``.bin``, ``token_dtype`` ('auto': its sidecar's, else
+      uint16), ``vocab_size`` (default: the sidecar's, else max id + 1; one that disagrees
+      with the sidecar is refused). :mod:`experiments.tokenize_corpus` writes both files.
 
     Common: ``batch`` (8), ``seq_len`` (64), ``seed`` (0), ``iid`` (True),
     ``eval_fraction`` (0.05). Bad input raises ValueError naming the field.
@@ -259,8 +260,14 @@ def make_streams(kind: str | Mapping[str, Any], /, **options: Any) -> ReplicaStr
         cap = o.get("max_bytes", None if kind == "text" else 20_000_000)
         sources = [ByteText(path if kind == "text" else stdlib_corpus(cap), max_bytes=cap)]
     else:
-        dtype = o.get("token_dtype", "uint16")
-        if dtype not in ("uint16", "uint32"):
-            raise ValueError(f"token_dtype={dtype!r}: must be 'uint16' or 'uint32'")
-        sources = [TokenFile(path, dtype, vocab)]
+        dtype = o.get("token_dtype", "auto")
+        if dtype not in ("auto", "uint16", "uint32"):
+            raise ValueError(f"token_dtype={dtype!r}: must be 'auto', 'uint16' or 'uint32'")
+        try:
+            sources = [TokenFile(path, dtype, vocab)]
+        except ValueError as e:  # named as this function's options
+            message = str(e)
+            raise ValueError(
+                "token_" + message if message.startswith("dtype=") else message
+            ) from None
     return ReplicaStreams(sources, eval_fraction=o["eval_fraction"], **common)

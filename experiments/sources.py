@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 import sysconfig
@@ -19,6 +20,8 @@ from typing import Any
 import numpy as np
 
 _CHUNK = 1 << 24
+FORMAT, VERSION = "co2jax.tokens", 1
+"""A token file's sidecar (``<file>.json``, :mod:`experiments.tokenize_corpus`): its format."""
 
 
 def checked_int(name: str, value: Any, lo: int) -> int:
@@ -258,19 +261,37 @@ def stdlib_corpus(max_bytes: int = 20_000_000) -> list[Path]:
 class TokenFile(Corpus):
     """A flat pre-tokenized ``.bin`` file (``np.tofile`` of uint16 or uint32 ids), memmapped.
 
-    ``vocab_size`` defaults to ``max id + 1``; see :class:`Corpus` for the range check.
+    With a sidecar ``<path>.json`` (written by :mod:`experiments.tokenize_corpus`) the dtype
+    and vocabulary are the sidecar's: ``dtype="auto"`` takes them, another dtype or a
+    ``vocab_size`` that disagrees is refused in one line. Without one, ``dtype="auto"`` is
+    uint16 and ``vocab_size`` defaults to ``max id + 1``; see :class:`Corpus` for the range
+    check.
     """
 
-    def __init__(self, path, dtype: str = "uint16", vocab_size: int | None = None, check=True):
-        try:
-            name = np.dtype(dtype).name
-        except TypeError:
-            name = None
-        if name not in ("uint16", "uint32"):
-            raise ValueError(f"dtype={dtype!r}: must be 'uint16' or 'uint32'")
+    def __init__(self, path, dtype: str = "auto", vocab_size: int | None = None, check=True):
+        name = None
+        if dtype != "auto":
+            try:
+                name = np.dtype(dtype).name
+            except TypeError:
+                name = None
+            if name not in ("uint16", "uint32"):
+                raise ValueError(f"dtype={dtype!r}: must be 'auto', 'uint16' or 'uint32'")
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"path={str(path)!r}: is not a file")
+        self.info = read_sidecar(p)
+        if self.info is not None:
+            side, held = sidecar_path(p).name, self.info["dtype"]
+            if name not in (None, held):
+                raise ValueError(f"dtype={dtype!r}: {p.name} holds {held} tokens ({side})")
+            if vocab_size is not None and vocab_size != self.info["vocab_size"]:
+                raise ValueError(
+                    f"vocab_size={vocab_size}: {p.name} was tokenized with a vocabulary of "
+                    f"{self.info['vocab_size']} ({side}): set it to {self.info['vocab_size']}"
+                )
+            name, vocab_size = held, self.info["vocab_size"]
+        name = name or "uint16"
         size, item = p.stat().st_size, np.dtype(name).itemsize
         if size == 0 or size % item:
             raise ValueError(
@@ -279,3 +300,39 @@ class TokenFile(Corpus):
             )
         self.path = p
         super().__init__(np.memmap(p, name, mode="r"), vocab_size, name=str(p), check=check)
+
+
+def sidecar_path(path: str | os.PathLike) -> Path:
+    """Where a token file's description lives: ``<path>.json``."""
+    return Path(f"{path}.json")
+
+
+def read_sidecar(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The description of token file ``path`` (:func:`tokenize_corpus`), or None without one.
+    Raises ``ValueError`` for a sidecar that is not one, or that does not describe the file."""
+    side = sidecar_path(path)
+    if not side.is_file():
+        return None
+    try:
+        info = json.loads(side.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(
+            f"path={str(path)!r}: its sidecar {side.name} is unreadable ({e})"
+        ) from None
+    keys = ("dtype", "vocab_size", "tokens")
+    if (
+        not isinstance(info, dict)
+        or info.get("format") != FORMAT
+        or any(k not in info for k in keys)
+    ):
+        raise ValueError(f"path={str(path)!r}: {side.name} is not a co2jax token file sidecar")
+    if info["dtype"] not in ("uint16", "uint32"):
+        raise ValueError(f"path={str(path)!r}: {side.name} names dtype {info['dtype']!r}")
+    size = Path(path).stat().st_size if Path(path).is_file() else None
+    expected = info["tokens"] * np.dtype(info["dtype"]).itemsize
+    if size is not None and size != expected:
+        raise ValueError(
+            f"path={str(path)!r}: {size} bytes, but {side.name} describes {info['tokens']} "
+            f"{info['dtype']} tokens ({expected} bytes): the two files are from different runs"
+        )
+    return info

@@ -188,11 +188,14 @@ def _build(cfg: config_lib.Config) -> Run:
 def _build_programs(cfg: config_lib.Config) -> tuple[_Programs, Any]:
     """The programs of ``cfg`` and its initial parameters."""
     t, i = cfg.train, cfg.inner
-    streams = data_lib.make_streams(
-        dataclasses.asdict(cfg.data),
-        replicas=cfg.mesh.replica,
-        steps_per_round=t.sync_every,
-    )
+    try:
+        streams = data_lib.make_streams(
+            dataclasses.asdict(cfg.data),
+            replicas=cfg.mesh.replica,
+            steps_per_round=t.sync_every,
+        )
+    except ValueError as e:  # the data's own checks (a file's size, its sidecar): one line
+        raise config_lib.from_library(ValueError(f"data.{e}")) from None
     overrides = {
         k: v
         for k, v in dataclasses.asdict(cfg.model).items()

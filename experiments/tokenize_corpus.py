@@ -1,0 +1,293 @@
+"""Text to a token file: a real tokenizer over local text, its vocabulary recorded beside it.
+
+    python -m experiments.tokenize_corpus CORPUS... --output corpus.bin [--tokenizer FILE]
+        [--vocab-size 4096] [--min-frequency 2] [--eos TOKEN]
+
+``CORPUS``: files, directories (every non-hidden file under them, recursively, sorted) or glob
+patterns; each file is one document, decoded as UTF-8 (files that are not UTF-8 text are
+skipped and counted). The tokenizer is
+
+- the one the user brings: a Hugging Face ``tokenizers`` JSON file (``tokenizer.json``), or a
+  SentencePiece ``.model`` (read with the ``sentencepiece`` package, when installed);
+- or, with no ``--tokenizer``, a byte-level BPE trained on the corpus itself with the
+  ``tokenizers`` library (up to ``--vocab-size`` entries, ``<|endoftext|>`` included: fewer
+  when the corpus runs out of pairs seen ``--min-frequency`` times), saved as
+  ``<output>.tokenizer.json``. Nothing is downloaded.
+
+Documents are joined with the end-of-text token (``--eos``; by default the tokenizer's own:
+``<|endoftext|>``, ``</s>``, ``<eos>`` or ``<|end_of_text|>``, none if it has none). The
+tokens go to ``--output`` as a flat array of ``uint16`` (vocabularies up to 65,536) or
+``uint32`` (``np.tofile``, little-endian: what ``data.kind=tokens`` memory-maps), and a
+sidecar ``<output>.json`` records what a run must agree with::
+
+    {"format": "co2jax.tokens", "version": 1, "dtype": "uint16", "vocab_size": 4096,
+     "tokens": 1234567, "documents": 42, "eos_id": 0, "tokenizer": "corpus.bin.tokenizer.json"}
+
+A run reading the file (``data.kind=tokens data.path=corpus.bin``) takes the dtype from the
+sidecar and refuses, in one line before anything compiles, a ``data.vocab_size`` or
+``data.token_dtype`` that disagrees with it, and a file whose size is not the sidecar's count.
+Both files are written under temporary names and renamed into place, the tokens first.
+
+Example:
+  >>> import pathlib, tempfile
+  >>> d = pathlib.Path(tempfile.mkdtemp())
+  >>> _ = (d / "a.txt").write_text("the cat sat on the mat. " * 20)
+  >>> info = tokenize_corpus([d / "a.txt"], d / "out.bin", vocab_size=300)
+  >>> info["dtype"], info["documents"], info["eos_id"], 257 < info["vocab_size"] <= 300
+  ('uint16', 1, 0, True)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from experiments.sources import FORMAT, VERSION, _resolve, sidecar_path
+
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+_BATCH = 64  # documents encoded per call (the tokenizers library encodes a batch in parallel)
+
+
+def documents(paths: Sequence[str | os.PathLike]) -> tuple[list[Path], int]:
+    """The UTF-8 text files among ``paths`` (see :func:`experiments.sources._resolve`) and
+    how many matched files were skipped as not UTF-8 text. Raises ``ValueError`` naming the
+    entry when nothing matched, or nothing matched is text."""
+    try:
+        files = _resolve([str(p) for p in paths])
+    except ValueError as e:
+        raise ValueError(str(e).replace("path=", "corpus=", 1)) from None
+    texts = [f for f in files if _is_text(f)]
+    if not texts:
+        shown = str(paths[0]) if len(paths) == 1 else [str(p) for p in paths]
+        raise ValueError(f"corpus={shown!r}: none of its {len(files)} files is UTF-8 text")
+    return texts, len(files) - len(texts)
+
+
+def _is_text(f: Path) -> bool:
+    try:
+        with open(f, encoding="utf-8") as h:
+            while h.read(1 << 20):
+                pass
+    except (UnicodeDecodeError, OSError):
+        return False
+    return f.stat().st_size > 0
+
+
+def _read(f: Path) -> str:
+    return f.read_text(encoding="utf-8")
+
+
+class Tokenizer:
+    """What tokenizing needs of a tokenizer: ``encode(texts) -> list of id lists``,
+    ``vocab_size``, ``id_of(token)`` (None when absent) and ``decode(ids)``."""
+
+    def __init__(self, encode, decode, vocab_size: int, id_of, source: str):
+        self.encode, self.decode, self.vocab_size = encode, decode, vocab_size
+        self.id_of, self.source = id_of, source
+
+
+def _from_hf(tok, source: str) -> Tokenizer:
+    return Tokenizer(
+        encode=lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)],
+        decode=lambda ids: tok.decode(list(ids), skip_special_tokens=False),
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        id_of=tok.token_to_id,
+        source=source,
+    )
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A tokenizer the user brings: a ``tokenizers`` JSON file or a SentencePiece model."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"tokenizer={str(path)!r}: is not a file")
+    if p.suffix == ".model":
+        try:
+            import sentencepiece as spm
+        except ImportError:
+            raise ValueError(
+                f"tokenizer={str(path)!r}: a SentencePiece model needs the sentencepiece "
+                "package (pip install sentencepiece), or bring a tokenizers JSON file"
+            ) from None
+        sp = spm.SentencePieceProcessor(model_file=str(p))
+
+        def id_of(token: str) -> int | None:
+            i = sp.piece_to_id(token)
+            return None if i == sp.unk_id() and token != sp.id_to_piece(i) else i
+
+        return Tokenizer(
+            lambda texts: sp.encode(list(texts)), sp.decode, sp.get_piece_size(), id_of, str(p)
+        )
+    from tokenizers import Tokenizer as HF
+
+    try:
+        tok = HF.from_file(str(p))
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(
+            f"tokenizer={str(path)!r}: not a tokenizers JSON file or a SentencePiece .model "
+            f"({first})"
+        ) from None
+    return _from_hf(tok, str(p))
+
+
+def train_tokenizer(files: Sequence[Path], vocab_size: int, min_frequency: int = 2):
+    """A byte-level BPE (the GPT-2 family's scheme: any text, no unknown token) trained on
+    ``files`` with the ``tokenizers`` library: ``<|endoftext|>`` is id 0, then the 256 byte
+    symbols, then merges up to ``vocab_size``. Deterministic for the same files."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise ValueError(f"vocab_size={vocab_size}: must be >= 257 (256 bytes + end of text)")
+    tok = HF(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOS_CANDIDATES[0]],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((_read(f) for f in files), trainer, length=len(files))
+    return tok
+
+
+def _eos_id(tokenizer: Tokenizer, eos: str | None) -> int | None:
+    if eos is not None:
+        i = tokenizer.id_of(eos)
+        if i is None:
+            raise ValueError(f"eos={eos!r}: not a token of the tokenizer {tokenizer.source}")
+        return i
+    return next((i for t in EOS_CANDIDATES if (i := tokenizer.id_of(t)) is not None), None)
+
+
+def _encoded(tokenizer: Tokenizer, files: list[Path], eos: int | None) -> Iterator[list[int]]:
+    for start in range(0, len(files), _BATCH):
+        batch = files[start : start + _BATCH]
+        for ids in tokenizer.encode([_read(f) for f in batch]):
+            yield ids + ([] if eos is None else [eos])
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def tokenize_corpus(
+    corpus: Sequence[str | os.PathLike],
+    output: str | os.PathLike,
+    tokenizer: str | os.PathLike | None = None,
+    vocab_size: int = 4096,
+    min_frequency: int = 2,
+    eos: str | None = None,
+    progress=None,
+) -> dict[str, Any]:
+    """Tokenize ``corpus`` into ``output`` and its sidecar (module docstring); returns the
+    sidecar's fields (plus ``skipped``: files left out as not UTF-8 text)."""
+    output = Path(output)
+    if output.suffix == ".json":
+        raise ValueError(f"output={str(output)!r}: the token file's sidecar is <output>.json")
+    if not output.parent.is_dir():
+        raise ValueError(f"output={str(output)!r}: its directory does not exist")
+    files, skipped = documents(corpus)
+    if tokenizer is None:
+        trained = train_tokenizer(files, vocab_size, min_frequency)
+        saved = Path(f"{output}.tokenizer.json")
+        tmp = saved.with_name(saved.name + ".tmp")
+        trained.save(str(tmp))
+        _replace(tmp, saved)
+        tok = _from_hf(trained, str(saved))
+    else:
+        tok = load_tokenizer(tokenizer)
+    dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
+    eos_id = _eos_id(tok, eos)
+    tmp, count = output.with_name(output.name + ".tmp"), 0
+    with open(tmp, "wb") as f:
+        for done, ids in enumerate(_encoded(tok, files, eos_id)):
+            np.asarray(ids, dtype.newbyteorder("<")).tofile(f)
+            count += len(ids)
+            if progress is not None:
+                progress(done + 1, len(files), count)
+    if count == 0:
+        tmp.unlink()
+        raise ValueError(f"corpus={[str(c) for c in corpus]!r}: the text gave no tokens")
+    info = {
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": dtype.name,
+        "vocab_size": tok.vocab_size,
+        "tokens": count,
+        "documents": len(files),
+        "eos_id": eos_id,
+        "tokenizer": os.path.relpath(tok.source, output.parent),
+    }
+    side = sidecar_path(output)
+    side_tmp = side.with_name(side.name + ".tmp")
+    side_tmp.write_text(json.dumps(info, indent=1) + "\n")
+    _replace(tmp, output)
+    _replace(side_tmp, side)
+    return info | {"skipped": skipped}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.tokenize_corpus",
+        description="Tokenize local text into a token file for data.kind=tokens.",
+    )
+    parser.add_argument("corpus", nargs="+", help="text files, directories or glob patterns")
+    parser.add_argument("--output", "-o", required=True, help="the token file to write (.bin)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a tokenizers JSON file or a SentencePiece .model (default: train a byte-level "
+        "BPE on the corpus, saved as <output>.tokenizer.json)",
+    )
+    parser.add_argument("--vocab-size", type=int, default=4096, help="when training (>= 257)")
+    parser.add_argument("--min-frequency", type=int, default=2, help="when training: merges")
+    parser.add_argument("--eos", default=None, help="the token ending each document")
+    args = parser.parse_args(argv)
+    if args.tokenizer is not None and (args.vocab_size != 4096 or args.min_frequency != 2):
+        parser.error("--vocab-size and --min-frequency train a tokenizer: not with --tokenizer")
+    if args.min_frequency < 1:
+        parser.error(f"--min-frequency {args.min_frequency}: must be >= 1")
+
+    def progress(done: int, total: int, tokens: int) -> None:
+        if done == total or done % 100 == 0:
+            print(f"\r{done}/{total} documents, {tokens:,} tokens", end="", file=sys.stderr)
+
+    try:
+        info = tokenize_corpus(
+            args.corpus,
+            args.output,
+            args.tokenizer,
+            args.vocab_size,
+            args.min_frequency,
+            args.eos,
+            progress,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(file=sys.stderr)
+    skipped = f" ({info['skipped']} files skipped: not UTF-8 text)" if info["skipped"] else ""
+    print(
+        f"{args.output}: {info['tokens']:,} {info['dtype']} tokens of {info['documents']} "
+        f"documents{skipped}, vocabulary {info['vocab_size']} ({info['tokenizer']}); "
+        f"train on it with: python -m experiments.train data.kind=tokens "
+        f"data.path={args.output} data.vocab_size={info['vocab_size']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
