@@ -116,7 +116,13 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
                 f"tokenizer={str(path)!r}: a SentencePiece model needs the sentencepiece "
                 "package (pip install sentencepiece), or bring a tokenizers JSON file"
             ) from None
-        sp = spm.SentencePieceProcessor(model_file=str(p))
+        try:
+            sp = spm.SentencePieceProcessor(model_file=str(p))
+        except Exception as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(
+                f"tokenizer={str(path)!r}: not a SentencePiece model ({first})"
+            ) from None
 
         def id_of(token: str) -> int | None:
             i = sp.piece_to_id(token)

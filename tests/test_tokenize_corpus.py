@@ -208,3 +208,24 @@ def test_a_token_file_of_the_wrong_size_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: data.path={tmp_path / 'odd.bin'}: 5 bytes is not"), err
     assert "\n" not in err and not (tmp_path / "logs").exists()
+
+
+def test_a_sentencepiece_model_the_user_brings(corpus, tmp_path):
+    """A SentencePiece model (trained here with the sentencepiece package: what Llama-family
+    models ship) tokenizes the corpus with its own ids and its own end-of-text id."""
+    spm = pytest.importorskip("sentencepiece")
+    spm.SentencePieceTrainer.train(
+        input=",".join(str(corpus / n) for n in sorted(TEXTS)),
+        model_prefix=str(tmp_path / "sp"),
+        vocab_size=60,
+        hard_vocab_limit=False,  # the small corpus may give fewer pieces
+        eos_id=2,
+        minloglevel=2,
+    )
+    out = tmp_path / "sp.bin"
+    info = tc.tokenize_corpus([corpus / "sub"], out, tokenizer=tmp_path / "sp.model")
+    processor = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    assert info["vocab_size"] == processor.get_piece_size() > 30
+    assert (info["eos_id"], info["dtype"]) == (2, "uint16")
+    expected = [i for n in sorted(TEXTS)[1:] for i in [*processor.encode(TEXTS[n]), 2]]
+    assert np.fromfile(out, np.uint16).tolist() == expected
