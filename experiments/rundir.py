@@ -5,9 +5,10 @@ divergence).
 - :func:`claim`: checks that a run directory (and checkpoint directory) may hold this run,
   before anything is written: one config owns a directory; ``resume`` needs the same config;
   ``overwrite`` deletes the old run.
-- :class:`Writers`: ``metrics.jsonl`` and TensorBoard scalars (steps are tokens); on resume
+- :class:`Writers`: ``metrics.jsonl`` and TensorBoard scalars (step: the round; the losses
+  also against tokens), the config as TensorBoard hyperparameters; on resume
   :func:`kept_records` keeps the records up to the restored round (a torn last line is
-  dropped) and :func:`trim_events` drops the TensorBoard scalars after it.
+  dropped) and TensorBoard's ``purge_step`` hides the scalars logged after it.
 - :class:`Signals`: SIGINT/SIGTERM set a flag the training loop reads at a round boundary.
 
 Example:
@@ -24,7 +25,6 @@ Example:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import sys
@@ -35,56 +35,83 @@ import numpy as np
 
 from experiments import config as config_lib
 
+LOSSES = ("train_loss", "eval_loss")
+"""The scalars also logged against tokens (``by_tokens/<name>``) and listed as the
+TensorBoard HParams dashboard's metrics."""
 
-def trim_events(directory: Path, last_step: int) -> None:
-    """Drops the TensorBoard scalars after ``last_step`` from the event files in
-    ``directory`` (a resumed run writes them again): each TFRecord is kept or dropped whole,
-    with its own checksums."""
-    from tensorboardX.proto import event_pb2
 
-    for path in directory.glob("events.out.tfevents.*"):
-        data, at, kept = path.read_bytes(), 0, []
-        while at + 12 <= len(data):
-            n = int.from_bytes(data[at : at + 8], "little")
-            record = data[at : at + 12 + n + 4]
-            if len(record) < 12 + n + 4:
-                break  # a torn last record
-            event = event_pb2.Event.FromString(record[12 : 12 + n])
-            if not event.summary.value or event.step <= last_step:
-                kept.append(record)
-            at += len(record)
-        tmp = path.with_name(path.name + ".trim")
-        tmp.write_bytes(b"".join(kept))
-        os.replace(tmp, path)
+def hparams(config: config_lib.Config) -> dict:
+    """The run's settings as TensorBoard hyperparameters: every leaf of the config by its
+    dotted name (``outer.algorithm``), None as ``"none"``."""
+    return {
+        name: ("none" if value is None else value)
+        for name, _, value in config_lib.leaves(config)
+        if value is None or isinstance(value, bool | int | float | str)
+    }
 
 
 class Writers:
-    def __init__(self, out: Path, tensorboard: bool, last_step: int | None = None):
+    """``metrics.jsonl`` (one JSON record per round) and TensorBoard scalars.
+
+    TensorBoard's step is the outer round (``tensorboard/``); the losses are logged a second
+    time against tokens seen (``tensorboard/by_tokens/``, tags ``by_tokens/train_loss``, ...:
+    a writer of its own, since TensorBoard hides a resumed run's overlap by step, per
+    writer). A fresh run writes its config as hyperparameters (the HParams dashboard, metrics
+    :data:`LOSSES`); a resumed one (``resumed_at``: the restored round and its tokens) opens
+    its writers with ``purge_step`` just past them, so TensorBoard hides what the interrupted
+    run logged after its checkpoint (the resumed run logs it again). ``finish()`` ends the
+    HParams session once the last round is logged.
+    """
+
+    def __init__(
+        self,
+        out: Path,
+        tensorboard: bool,
+        resumed_at: tuple[int, int] | None = None,
+        hparam_dict: dict | None = None,
+    ):
         out.mkdir(parents=True, exist_ok=True)
         self.jsonl = (out / "metrics.jsonl").open("a")
-        self.tb = None
+        self.tb, self.tb_tokens, self.session_end = None, None, None
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter
-
-                if last_step is not None:  # resumed: the events after it are rewritten
-                    trim_events(out / "tensorboard", last_step)
-                self.tb = SummaryWriter(str(out / "tensorboard"))
+                from tensorboardX.summary import hparams as hparam_summaries
             except ImportError:  # optional: pip install co2jax[experiments]
-                self.tb = None
+                return
+            purge = (None, None) if resumed_at is None else (resumed_at[0] + 1, resumed_at[1] + 1)
+            self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=purge[0])
+            self.tb_tokens = SummaryWriter(
+                str(out / "tensorboard" / "by_tokens"), purge_step=purge[1]
+            )
+            if hparam_dict is not None:
+                exp, start, self.session_end = hparam_summaries(
+                    hparam_dict, dict.fromkeys(LOSSES, 0.0)
+                )
+                if resumed_at is None:
+                    self.tb.file_writer.add_summary(exp)
+                    self.tb.file_writer.add_summary(start)
 
     def write(self, record: dict) -> None:
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
             for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "round":
-                    self.tb.add_scalar(key, value, record["tokens"])
+                if isinstance(value, int | float) and key != "round":
+                    self.tb.add_scalar(key, value, record["round"])
+                    if key in LOSSES:
+                        self.tb_tokens.add_scalar(f"by_tokens/{key}", value, record["tokens"])
+
+    def finish(self) -> None:
+        """The run's last round is logged: end the HParams session."""
+        if self.tb is not None and self.session_end is not None:
+            self.tb.file_writer.add_summary(self.session_end)
 
     def close(self) -> None:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+            self.tb_tokens.close()
 
 
 class RunError(ValueError):

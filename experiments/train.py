@@ -298,8 +298,13 @@ def train_validated(
 
     R, H, B, L = streams.shape[0], streams.shape[1], streams.shape[2], streams.shape[3] - 1
     tokens_per_round = R * H * B * L
-    # TensorBoard steps are tokens: a resumed run drops the events after its checkpoint
-    writers = rundir.Writers(out, cfg.log.tensorboard, start * tokens_per_round if resume else None)
+    # TensorBoard steps are rounds: a resumed run hides the events after its checkpoint
+    writers = rundir.Writers(
+        out,
+        cfg.log.tensorboard,
+        (start, start * tokens_per_round) if resume else None,
+        rundir.hparams(cfg),
+    )
     history, bytes_total = [], (previous[-1]["bytes_total"] if previous else 0.0)
     progress = None
     if cfg.log.progress:
@@ -363,6 +368,8 @@ def train_validated(
                     # replica axis (the slow link) that the algorithm itself does not need
                     record["consensus_distance"] = float(consensus(state.params))
                 writers.write(record)
+                if last:
+                    writers.finish()
                 history.append(record)
                 if progress is not None:
                     progress.set_postfix(

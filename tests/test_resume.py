@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import checkpoints, train
+from experiments import checkpoints, rundir, train
 from experiments import config as config_lib
 
 
@@ -182,27 +182,64 @@ def test_a_diverged_run_stops_with_an_error(tmp_path):
         train.train(_cfg(tmp_path, "inner.learning_rate=1e30", "train.rounds=3", ckpt=False))
 
 
-def test_tensorboard_has_no_duplicate_steps_after_resume(tmp_path):
-    pytest.importorskip("tensorboardX")
+def _tensorboard_view(directory):
+    """What TensorBoard shows of a run's event files, read in order: each scalar tag's
+    (step, value) points, after every ``SessionLog.START`` at step s (a writer opened with
+    ``purge_step=s``) has hidden the points logged before it at steps >= s; and the
+    hyperparameter plugin's summaries seen."""
     from tensorboardX.proto import event_pb2
 
-    common = ["train.rounds=3", "checkpoint.every=1", "log.tensorboard=true"]
-    train.train(_cfg(tmp_path, *common), stop_after=2)
-    # the next run resumes from round 1: round 2's events must not appear twice
-    import shutil
-
-    shutil.rmtree(tmp_path / "ckpt" / "2")
-    train.train(_cfg(tmp_path, *common), resume=True)
-    steps = {}
-    for path in sorted((_run_dir(tmp_path) / "tensorboard").glob("events.out.tfevents.*")):
+    points, plugins = {}, []
+    for path in sorted(directory.glob("events.out.tfevents.*")):
         data, at = path.read_bytes(), 0
         while at < len(data):
             n = int.from_bytes(data[at : at + 8], "little")
             event = event_pb2.Event.FromString(data[at + 12 : at + 12 + n])
             at += 12 + n + 4
+            if event.HasField("session_log") and event.session_log.status == 1:  # START
+                for tag in points:
+                    points[tag] = [(s, v) for s, v in points[tag] if s < event.step]
             for v in event.summary.value:
-                steps.setdefault(v.tag, []).append(event.step)
-    assert steps["train_loss"] and all(len(s) == len(set(s)) == 3 for s in steps.values())
+                if v.metadata.plugin_data.plugin_name == "hparams":
+                    plugins.append(v.tag)
+                else:
+                    points.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return points, plugins
+
+
+def test_tensorboard_shows_each_round_once_after_resume(tmp_path):
+    pytest.importorskip("tensorboardX")
+    common = ["train.rounds=3", "checkpoint.every=1", "log.tensorboard=true"]
+    train.train(_cfg(tmp_path, *common), stop_after=2)
+    # the next run resumes from round 1: what round 2 logged first must be hidden
+    import shutil
+
+    shutil.rmtree(tmp_path / "ckpt" / "2")
+    resumed = train.train(_cfg(tmp_path, *common), resume=True)
+    points, plugins = _tensorboard_view(_run_dir(tmp_path) / "tensorboard")
+    assert [s for s, _ in points["train_loss"]] == [1, 2, 3]  # step: the round
+    records = [json.loads(x) for x in (_run_dir(tmp_path) / "metrics.jsonl").open()]
+    assert [v for _, v in points["train_loss"]] == pytest.approx(
+        [r["train_loss"] for r in records], rel=1e-6
+    )
+    assert [v for _, v in points["train_loss"]][1] == pytest.approx(
+        resumed.history[0]["train_loss"], rel=1e-6
+    )  # round 2 as the resumed run logged it
+    by_tokens, _ = _tensorboard_view(_run_dir(tmp_path) / "tensorboard" / "by_tokens")
+    tokens = [r["tokens"] for r in records]
+    assert [s for s, _ in by_tokens["by_tokens/train_loss"]] == tokens  # the second axis
+    assert all(len({s for s, _ in p}) == len(p) for p in points.values())
+    # the config as hyperparameters, written once by the first run; the session ended once
+    assert plugins.count("_hparams_/experiment") == 1
+    assert plugins.count("_hparams_/session_start_info") == 1
+    assert plugins.count("_hparams_/session_end_info") == 1
+
+
+def test_the_config_is_the_runs_hyperparameters(tmp_path):
+    hp = rundir.hparams(_cfg(tmp_path, "outer.algorithm=co2"))
+    assert hp["outer.algorithm"] == "co2" and hp["train.rounds"] == 2
+    assert hp["checkpoint.dir"] == str(tmp_path / "ckpt") and hp["data.path"] == "none"
+    assert all(isinstance(v, bool | int | float | str) for v in hp.values())
 
 
 def test_resuming_a_finished_run_says_so(tmp_path, capsys):
