@@ -7,7 +7,7 @@ DiLoCo, CO2 without and with penalty and clip, DiLoCo with int8 pseudo-gradients
 DiLoCo in float32 and FP4, SparseLoCo) on the emulated 8-device CPU mesh (4 replicas x
 2 data shards), then writes ``results/<preset>/report.md`` with the table (final eval loss,
 excess over the data's entropy floor, bytes sent per replica, ratio to DDP, tokens/s,
-simulated wall clock) and PNG plots of loss against tokens, bytes and simulated wall clock.
+modelled wall clock) and PNG plots of loss against tokens, bytes and modelled wall clock.
 
 A sweep is robust to its users:
 
@@ -21,7 +21,7 @@ A sweep is robust to its users:
 - Ctrl-C leaves a valid partial report (the rows not reached are marked "not run") and
   exits with 130.
 
-The simulated wall clock combines the measured compute time per inner step with a cost model
+The modelled wall clock combines the measured compute time per inner step with a cost model
 of the link between replicas: a ring all-reduce of N bytes over R replicas costs
 ``2 (R-1)/R * N * 8 / bandwidth + 2 (R-1) * latency``. Synchronous algorithms wait for it; an
 algorithm whose reduction is overlapped (sent before the round's inner steps) hides it behind

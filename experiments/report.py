@@ -1,6 +1,8 @@
-"""The comparison's report: ``report.md`` (the table, each row's overrides and outer
-hyper-parameters, the published ordering), ``summary.json``, the three PNG plots (styles that
-tell up to 40 rows apart, the informative y range) and the sweep's progress lines.
+"""The comparison's report: ``report.md`` (the table, labelled with the devices its times
+were measured on, each row's overrides and outer hyper-parameters, each published claim
+held or not held with its numbers, the published ordering), ``summary.json``, the three PNG
+plots (styles that tell up to 40 rows apart, the informative y range) and the sweep's
+progress lines.
 
 Reads the rows :mod:`experiments.compare` builds; every file is replaced whole (written to a
 temporary sibling, then renamed), so an interrupted sweep leaves a valid partial report.
@@ -30,10 +32,88 @@ communicating 500x less. Streaming DiLoCo (arXiv 2501.18512): 400x fewer bits th
 parallel at equal quality with FP4 (1B, Dolma). SparseLoCo (arXiv 2508.15706): 1-3% density
 with 2-bit values beats full-precision DiLoCo."""
 
+# Each published claim the sweep can check: (what the paper says, the rows it compares, the
+# check). Losses "match" within MATCH of each other (relative), the tolerance stated in the
+# report.
+MATCH = 0.01
+CLAIMS = [
+    (
+        "Eager updates recover DiLoCo's loss and beat the naive one-step delay (arXiv "
+        "2502.12996 Table 2: DiLoCo 2.67 <= eager 2.69 < naive delayed 3.01)",
+        ("DiLoCo", "Eager DiLoCo", "Delayed DiLoCo (naive)"),
+        lambda d, e, n: e < n and e <= d * (1 + MATCH),
+    ),
+    (
+        "A lower outer learning rate rescues the naive delay (the same table: 3.01 -> 2.73)",
+        ("Delayed DiLoCo (naive)", "Delayed DiLoCo (outer lr 0.35)"),
+        lambda n, low: low < n,
+    ),
+    (
+        "DiLoCo matches fully synchronous training (arXiv 2311.08105)",
+        ("DDP", "DiLoCo"),
+        lambda ddp, d: d <= ddp * (1 + MATCH),
+    ),
+    (
+        "CO2 reaches synchronous training's loss (arXiv 2401.16265)",
+        ("DDP", "CO2"),
+        lambda ddp, c: c <= ddp * (1 + MATCH),
+    ),
+    (
+        "Streaming DiLoCo with FP4 matches data parallel (arXiv 2501.18512)",
+        ("DDP", "Streaming DiLoCo FP4"),
+        lambda ddp, s: s <= ddp * (1 + MATCH),
+    ),
+    (
+        "SparseLoCo (1-3% density, 2-bit values) beats DiLoCo (arXiv 2508.15706)",
+        ("DiLoCo", "SparseLoCo"),
+        lambda d, s: s < d,
+    ),
+]
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """One line per published claim (:data:`CLAIMS`): ``held`` or ``not held`` with the rows'
+    eval losses, or why it cannot be judged here (a row not in the sweep, failed or
+    diverged)."""
+    by_label = {r["label"]: r for r in rows}
+    out = []
+    for claim, labels, check in CLAIMS:
+        found = [by_label.get(label) for label in labels]
+        missing = [lab for lab, r in zip(labels, found, strict=True) if r is None]
+        if missing:
+            out.append(f"- {claim}: not in this sweep ({', '.join(missing)} not run)")
+            continue
+        bad = [r for r in found if r.get("status") != "done" or r.get("flag")]
+        if bad:
+            why = ", ".join(f"{r['label']} {r.get('flag') or r.get('status')}" for r in bad)
+            out.append(f"- {claim}: cannot be judged ({why})")
+            continue
+        losses = [r["eval_loss"] for r in found]
+        shown = ", ".join(f"{lab} {v:.4f}" for lab, v in zip(labels, losses, strict=True))
+        out.append(f"- {claim}: **{'held' if check(*losses) else 'not held'}** ({shown})")
+    return out
+
+
+def device_label() -> str:
+    """Where this process computes, as the report's measured columns say it: the platform,
+    the device count, and for CPU that the devices are emulated on one host."""
+    import jax
+
+    devices = jax.devices()
+    if devices[0].platform == "cpu":
+        return f"{len(devices)} CPU-emulated devices on one host (not accelerators)"
+    return f"{len(devices)} x {devices[0].device_kind}"
+
+
 PLOTS = [
     ("curve_tokens", "tokens", "loss_vs_tokens.png", False),
     ("curve_bytes", "bytes sent per replica", "loss_vs_bytes.png", True),
-    ("curve_sim_s", "simulated wall clock (s)", "loss_vs_wallclock.png", False),
+    (
+        "curve_sim_s",
+        "modelled wall clock (s; compute as measured here)",
+        "loss_vs_wallclock.png",
+        False,
+    ),
 ]
 
 
@@ -232,6 +312,8 @@ def write_report(
     )
     if interrupted:
         status += " Interrupted (Ctrl-C): the rows marked not run did not run; rerun to finish."
+    device = device_label()
+    short = "CPU-emulated" if "CPU-emulated" in device else device
     lines = [
         f"# co2jax comparison: {base.name}",
         "",
@@ -241,7 +323,7 @@ def write_report(
         + f"data `{base.data.kind}`"
         + (f" (entropy floor {entropy:.4f} nats/token)" if entropy else "")
         + ".",
-        f"Simulated link: {link.bandwidth_gbps} Gbit/s, {link.latency_ms} ms latency, overlap "
+        f"Modelled link: {link.bandwidth_gbps} Gbit/s, {link.latency_ms} ms latency, overlap "
         f"slows compute by {link.overlap_slowdown:.1%}."
         + (
             f" Eval loss: mean ± standard deviation over {seeds} seeds (the other columns:"
@@ -251,8 +333,15 @@ def write_report(
         ),
         status,
         "",
+        f"Measured on {device}: tokens/s and the compute part of the modelled wall clock "
+        "(each round's measured compute time, plus the modelled link's time for the bytes "
+        "the round sends where it does not overlap). On emulated devices compute time says "
+        "how the host ran the program, not what an accelerator would: compare the rows' "
+        "bytes and losses, not their times. A diverged or non-finite row shows no ratio or "
+        "time.",
+        "",
         "| algorithm | eval loss | excess over entropy | MB sent / replica | vs DDP | tokens/s "
-        "(measured) | simulated wall clock (s) | status |",
+        f"(measured, {short}) | modelled wall clock (s; compute measured, {short}) | status |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -268,11 +357,13 @@ def write_report(
         if r.get("eval_std") is not None:
             loss += f" ± {r['eval_std']:.4f}"
         note = "reused" if not r.get("ran") else "done"
-        if r.get("flag"):
+        speed, wall = f"{r['tokens_per_s']:,.0f}", f"{r['sim_s']:.1f}"
+        if r.get("flag"):  # not priced: a diverged run's bytes and time compare nothing
             note += f", {r['flag']} (not used for the plots' y range)"
+            ratio, speed, wall = "—", "—", "—"
         lines.append(
             f"| {_cell(r['label'])} | {loss} | {excess} | {r['bytes_total'] / 1e6:.2f} "
-            f"| {ratio} | {r['tokens_per_s']:,.0f} | {r['sim_s']:.1f} | {note} |"
+            f"| {ratio} | {speed} | {wall} | {note} |"
         )
     lines += [
         "",
@@ -293,7 +384,21 @@ def write_report(
             f"- **{r['label']}**: overrides {overrides}; outer {hyper or 'defaults'}; "
             f"[config]({r['config']}) (hash `{r['hash']}`)" + (f"; {doc}" if doc else "")
         )
-    lines += ["", PUBLISHED, "", *[f"![{p}]({p})" for p in plots], ""]
+    lines += [
+        "",
+        "## Published claims against this sweep",
+        "",
+        f'Each claim checked on the rows\' eval losses; "matches" means within {MATCH:.0%} '
+        "(relative). A miniature run on emulated devices tests the direction of a claim, "
+        "not its size.",
+        "",
+        *verdicts(rows),
+        "",
+        PUBLISHED,
+        "",
+        *[f"![{p}]({p})" for p in plots],
+        "",
+    ]
     path = out / "report.md"
     write_atomic(out / "summary.json", json.dumps(rows, indent=1))
     write_atomic(path, "\n".join(lines))

@@ -1,5 +1,5 @@
 """The sweep's rows: what each one runs (:data:`SWEEP`, the presets' fixes) and the numbers
-a finished run gives its row (the link's cost model, the simulated wall clock, tokens/s, the
+a finished run gives its row (the link's cost model, the modelled wall clock, tokens/s, the
 curves, the divergence flag).
 
 The cost model, :class:`Link` and :func:`simulated_round_s`, is documented and imported as
@@ -214,7 +214,7 @@ def simulated_round_s(
 
 def summarise(label, cfg, history, entropy, link, run_s) -> dict:
     """The row's numbers from the first seed's history: eval loss, excess over the entropy
-    floor, bytes, tokens/s, simulated wall clock and the curves the report plots."""
+    floor, bytes, tokens/s, modelled wall clock and the curves the report plots."""
     R, H = cfg.mesh.replica, cfg.train.sync_every
     steady = [r["seconds"] for r in history[1:]] or [history[0]["seconds"]]
     step_s = float(np.median(steady)) / H  # round 1 includes compilation
