@@ -69,7 +69,7 @@ def _compile(outer, mesh, **kw):
     leaf = jax.ShapeDtypeStruct((R, H, BATCH, 512), jnp.float32, sharding=sharding)
     state = trainer.abstract_state(params)
     lowered = trainer.lower(state, {"x": leaf, "y": leaf})
-    return trainer.program(state), lowered.compile()
+    return trainer.program(state), lowered.compile().as_text()
 
 
 def _entry_replica_sync(text, mesh):
