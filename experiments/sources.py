@@ -183,7 +183,7 @@ class Corpus:
     entropy_rate = None
 
 
-def _resolve(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+def resolve_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
     """Files named by each entry: a file, a directory (every non-hidden file under it,
     recursively, sorted) or a glob pattern (``**`` recurses; matches sorted)."""
     entries = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
@@ -212,13 +212,13 @@ def _resolve(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Pat
 class ByteText(Corpus):
     """Byte-level tokens (vocab 256) of text files, concatenated in order.
 
-    ``paths``: a file, directory or glob, or a list of them (see ``_resolve``). A single file
+    ``paths``: a file, directory or glob, or a list of them (see ``resolve_paths``). A single file
     is memory-mapped; several are read into one ``uint8`` array, stopping once ``max_bytes``
     (if given) are in; the result is truncated to ``max_bytes``.
     """
 
     def __init__(self, paths, max_bytes: int | None = None):
-        self.paths = _resolve(paths)
+        self.paths = resolve_paths(paths)
         cap = math.inf if max_bytes is None else checked_int("max_bytes", max_bytes, 1)
         if sum(f.stat().st_size for f in self.paths) == 0:
             raise ValueError(f"path={str(paths)!r}: the matched files are empty")

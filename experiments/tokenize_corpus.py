@@ -49,18 +49,18 @@ from typing import Any
 
 import numpy as np
 
-from experiments.sources import FORMAT, VERSION, _resolve, sidecar_path
+from experiments.sources import FORMAT, VERSION, resolve_paths, sidecar_path
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 _BATCH = 64  # documents encoded per call (the tokenizers library encodes a batch in parallel)
 
 
 def documents(paths: Sequence[str | os.PathLike]) -> tuple[list[Path], int]:
-    """The UTF-8 text files among ``paths`` (see :func:`experiments.sources._resolve`) and
+    """The UTF-8 text files among ``paths`` (see :func:`experiments.sources.resolve_paths`) and
     how many matched files were skipped as not UTF-8 text. Raises ``ValueError`` naming the
     entry when nothing matched, or nothing matched is text."""
     try:
-        files = _resolve([str(p) for p in paths])
+        files = resolve_paths([str(p) for p in paths])
     except ValueError as e:
         raise ValueError(str(e).replace("path=", "corpus=", 1)) from None
     texts = [f for f in files if _is_text(f)]
