@@ -103,6 +103,11 @@ def _from_hf(tok, source: str) -> Tokenizer:
     )
 
 
+def _first_line(error: Exception) -> str:
+    """A library's error as one line: its message's first line, or its type's name."""
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """A tokenizer the user brings: a ``tokenizers`` JSON file or a SentencePiece model."""
     p = Path(path)
@@ -119,9 +124,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         try:
             sp = spm.SentencePieceProcessor(model_file=str(p))
         except Exception as e:
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ValueError(
-                f"tokenizer={str(path)!r}: not a SentencePiece model ({first})"
+                f"tokenizer={str(path)!r}: not a SentencePiece model ({_first_line(e)})"
             ) from None
 
         def id_of(token: str) -> int | None:
@@ -136,10 +140,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     try:
         tok = HF.from_file(str(p))
     except Exception as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(
             f"tokenizer={str(path)!r}: not a tokenizers JSON file or a SentencePiece .model "
-            f"({first})"
+            f"({_first_line(e)})"
         ) from None
     return _from_hf(tok, str(p))
 
