@@ -1,10 +1,13 @@
 """Orbax checkpoints that are checked on restore, with a fallback to the previous good one.
 
 Each checkpoint holds two orbax items: ``state`` (the train state, ``StandardSave``) and
-``digest`` (JSON: a SHA-256 of every leaf's bytes, dtype and shape, and of the whole). On
-restore the newest checkpoint is read and its digest recomputed; a checkpoint that cannot be
-read, or whose bytes do not match its digest (a flipped bit, a truncated file), is skipped
-with a one-line warning naming it and the step restored instead, down to the oldest kept.
+``digest`` (JSON: a SHA-256 of every leaf's bytes, dtype and shape, and of the whole), and a
+third, ``data``, when a Grain data iterator is saved with it (``grain.checkpoint``: its state,
+one JSON file per process). On restore the newest checkpoint is read and its digest
+recomputed; a checkpoint that cannot be read, or whose bytes do not match its digest (a
+flipped bit, a truncated file), is skipped with a one-line warning naming it and the step
+restored instead, down to the oldest kept; the data iterator is restored from the step whose
+state was.
 
 A state with leaves that are not fully addressable from this process (a multi-host run) is
 saved without a digest (``"sha256": null``); it is restored unchecked.
@@ -67,14 +70,28 @@ class Checkpoints:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state: Any) -> None:
-        """Saves ``state`` and its digest at ``step`` and waits until both are written."""
+    def save(self, step: int, state: Any, data: Any = None) -> None:
+        """Saves ``state`` and its digest at ``step`` (and the Grain iterator ``data``'s
+        state, when given) and waits until all are written."""
         ocp = self._ocp
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state), digest=ocp.args.JsonSave(digest(state))
-        )
-        self.manager.save(step, args=args)
+        items = dict(state=ocp.args.StandardSave(state), digest=ocp.args.JsonSave(digest(state)))
+        if data is not None:
+            import grain
+
+            items["data"] = grain.checkpoint.CheckpointSave(data)
+        self.manager.save(step, args=ocp.args.Composite(**items))
         self.manager.wait_until_finished()
+
+    def restore_data(self, step: int, iterator: Any) -> bool:
+        """Sets the Grain ``iterator`` to the state saved at ``step``; False (iterator
+        untouched) when that checkpoint holds none."""
+        import grain
+
+        if "data" not in self.manager.item_metadata(step):
+            return False
+        args = self._ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(iterator))
+        self.manager.restore(step, args=args)
+        return True
 
     def _restore(self, step: int, target: Any) -> Any:
         ocp = self._ocp

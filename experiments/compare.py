@@ -186,9 +186,10 @@ def _refused(error: ValueError, overrides: Sequence[str], command_line=()) -> st
     return f"{text} (from the preset or the defaults)"
 
 
-def run_one(cfg: config_lib.Config, run_dir: Path) -> dict:
-    """Trains one run of one row: ``{"history": [...], "entropy_rate": float | None}``."""
-    result = train.train_validated(cfg, out_dir=str(run_dir))  # validated by plan_sweep
+def run_one(cfg: config_lib.Config, run_dir: Path, label: str | None = None) -> dict:
+    """Trains one run of one row: ``{"history": [...], "entropy_rate": float | None}``;
+    ``label``: its progress bar's (on a terminal; gone when the run ends)."""
+    result = train.train_validated(cfg, out_dir=str(run_dir), progress=label)
     return {"history": result.history, "entropy_rate": result.entropy_rate}
 
 
@@ -235,7 +236,8 @@ def _run_row(entry: dict, out: Path, link: Link, rerun: bool) -> dict:
                 # there goes (the training driver refuses a directory holding another run)
                 shutil.rmtree(run_dir, ignore_errors=True)
                 began = time.perf_counter()
-                done = run_one(cfg, run_dir)
+                seed = f" seed {cfg.train.seed}" if len(entry["runs"]) > 1 else ""
+                done = run_one(cfg, run_dir, entry["label"] + seed)
                 record = {
                     "hash": run["hash"],
                     "label": entry["label"],

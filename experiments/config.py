@@ -137,6 +137,9 @@ class TrainConfig:
         False, "split the outer state over mesh.data inside a replica (1/D per device)"
     )
     fsdp: bool = setting(False, "split the parameters and inner state over mesh.data too")
+    offload_outer_state: bool = setting(
+        False, "keep the outer state in host memory, moved in for the outer step"
+    )
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,20 @@
-"""Deterministic, resumable token streams for the round engine.
+"""Deterministic, resumable token streams for the round engine, on Grain.
 
 One round is H inner steps on each of R replicas; the engine takes token windows shaped
 ``[R, H, B, L + 1]`` (int32; inputs ``w[..., :-1]``, targets ``w[..., 1:]``).
-:meth:`ReplicaStreams.round_batch` is a pure function of ``(seed, round_index)`` and the source
-definition, so the stream position *is* the round index: resuming at round ``k`` is calling
-``round_batch(k)``; there is no iterator state to checkpoint.
+:attr:`ReplicaStreams.dataset` is a Grain ``MapDataset`` whose element k is round k, zipped
+from one pipeline per (replica, data shard) (:mod:`experiments.pipeline`): corpora are cut into
+windows, shuffled by seed and dealt out so that replicas read disjoint windows; the Markov
+source draws each replica's round from its own stream. Every round is a pure function of
+``(seed, k)``, so :meth:`ReplicaStreams.round_batch` reads round k directly, and
+:meth:`ReplicaStreams.iterator` (a Grain iterator that draws the next round in a thread) saves
+its position with the checkpoint and resumes at exactly the round an uninterrupted run reads.
 
-Randomness: replica ``r`` of round ``k`` draws from ``np.random.default_rng([seed, 0, k, r])``;
-the held-out batch from ``default_rng([seed, 1])``. The second word separates the two domains,
-so training and evaluation never share a stream (SeedSequence zero-pads short keys, so a
-length difference alone would not be enough).
+Randomness: replica ``r`` of round ``k`` of a Markov stream draws from
+``np.random.default_rng([seed, 0, k, r])``; the held-out batch from ``default_rng([seed, 1])``;
+a corpus pool's shuffle from ``SeedSequence([seed, 2, pool])``. The second word separates the
+domains, so training and evaluation never share a stream (SeedSequence zero-pads short keys,
+so a length difference alone would not be enough).
 
 Sources: :class:`MarkovSource` (synthetic, with a known entropy rate: the loss floor),
 :class:`Corpus` (any flat token array), :class:`ByteText` (bytes of text files, vocab 256;
@@ -19,12 +24,16 @@ streams from a config dict.
 
 Example:
   >>> src = MarkovSource(vocab_size=32, branching=4, seed=0)
-  >>> streams = ReplicaStreams(src, replicas=2, batch=3, seq_len=8, steps_per_round=4, seed=0)
+  >>> streams = ReplicaStreams(src, replicas=2, batch=4, seq_len=8, steps_per_round=4, seed=0,
+  ...                          data_shards=2)
   >>> x = streams.round_batch(5)
   >>> x.shape, x.dtype
-  ((2, 4, 3, 9), dtype('int32'))
+  ((2, 4, 4, 9), dtype('int32'))
   >>> bool((x == streams.round_batch(5)).all()), bool((x == streams.round_batch(6)).all())
   (True, False)
+  >>> it = streams.iterator(start=5)
+  >>> bool((next(it) == x).all()), it.get_state()
+  (True, {'next_index': 6})
   >>> bool(0 < streams.entropy_rate < np.log(4))
   True
 """
@@ -35,8 +44,10 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import grain
 import numpy as np
 
+from experiments import pipeline
 from experiments.sources import (
     ByteText,
     Corpus,
@@ -65,12 +76,17 @@ class ReplicaStreams:
     Windows are ``L + 1 = seq_len + 1`` tokens. A corpus is split into a training part and a
     held-out tail (the last ``eval_fraction`` of its tokens), which training never reads.
 
-    * ``iid=True``: every replica draws from all sources with its own stream: each window
-      picks a source (Markov: uniformly; corpora: in proportion to their number of training
-      windows) and then a fresh chain sample or a uniformly random offset.
-    * ``iid=False``: replica r draws only from ``sources[r % len(sources)]``; with one corpus,
-      replica r instead draws from the r-th of R disjoint contiguous shards of its training
-      part (so replicas see different files/regions). One Markov source cannot be non-iid.
+    * ``iid=True``: Markov: every replica draws from all sources with its own stream, each
+      window from a source picked uniformly. Corpora: the training windows of all sources
+      (``(n - 1) // L`` of ``L + 1`` tokens at stride L per source) form one pool, shuffled by
+      seed each epoch and dealt out in turn, so the replicas read disjoint windows.
+    * ``iid=False``: replica r draws only from ``sources[r % len(sources)]`` (replicas sharing
+      a corpus deal its windows out between them); with one corpus, replica r instead reads
+      the r-th of R disjoint contiguous shards of its training part (so replicas see different
+      files/regions). One Markov source cannot be non-iid.
+
+    ``data_shards`` = D splits each step's batch B into D parts of ``B / D`` rows, one Grain
+    pipeline each (the ``data`` mesh axis's devices; a replica's windows do not depend on D).
 
     ``entropy_rate`` (Markov only, else None) is the mean of the sources' rates over replicas,
     ``mean_r H(sources[r % S])`` non-iid and ``mean_s H(sources[s])`` iid: the expected loss of
@@ -87,6 +103,7 @@ class ReplicaStreams:
         seed: int = 0,
         iid: bool = True,
         eval_fraction: float = 0.05,
+        data_shards: int = 1,
     ):
         one = isinstance(sources, MarkovSource | Corpus)
         self.sources = (sources,) if one else tuple(sources)
@@ -101,6 +118,11 @@ class ReplicaStreams:
         self.seq_len = checked_int("seq_len", seq_len, 1)
         self.steps_per_round = checked_int("steps_per_round", steps_per_round, 1)
         self.seed, self.iid = checked_int("seed", seed, 0), bool(iid)
+        self.data_shards = checked_int("data_shards", data_shards, 1)
+        if self.batch % self.data_shards:
+            raise ValueError(
+                f"batch={self.batch}: must be a multiple of data_shards={self.data_shards}"
+            )
         if not 0 < eval_fraction < 1:
             raise ValueError(f"eval_fraction={eval_fraction!r}: must be in (0, 1)")
         n_src, w = len(self.sources), self.seq_len + 1
@@ -110,6 +132,7 @@ class ReplicaStreams:
                 raise ValueError("sources: non-iid Markov streams need several MarkovSources")
             self._pools = [[(s, 0, 0) for s in ([o] if not iid else range(n_src))] for o in own]
             self._eval = self._pools[0]
+            self.dataset = self._markov_dataset()
             return
         train, self._eval = [], []
         for s, src in enumerate(self.sources):
@@ -136,6 +159,44 @@ class ReplicaStreams:
                     f"are {min(np.diff(bounds))} tokens, need >= seq_len + 1 = {w}"
                 )
             self._pools = [[(0, bounds[r], bounds[r + 1])] for r in range(r_)]
+        self.dataset = self._corpus_dataset()
+
+    def _markov_dataset(self) -> grain.MapDataset:
+        shape, rows = self.shape[1:], self.batch // self.data_shards
+
+        def draw(k: int, r: int) -> np.ndarray:
+            rng = np.random.default_rng([self.seed, 0, k, r])
+            return self._draw(rng, self._pools[r], math.prod(shape[:2])).reshape(shape)
+
+        replicas = [pipeline.MarkovRounds(lambda k, r=r: draw(k, r)) for r in range(self.replicas)]
+        return pipeline.rounds(
+            [[pipeline.markov_shard(m, d, rows) for d in range(self.data_shards)] for m in replicas]
+        )
+
+    def _corpus_dataset(self) -> grain.MapDataset:
+        readers: dict[tuple, list[int]] = {}  # a pool of windows -> the replicas reading it
+        for r, pool in enumerate(self._pools):
+            readers.setdefault(tuple(pool), []).append(r)
+        shards: list[list] = [[] for _ in range(self.replicas)]
+        for n, (pool, group) in enumerate(readers.items()):
+            parts = [(self.sources[s].tokens, a, b) for s, a, b in pool]
+            windows = pipeline.Windows(parts, self.seq_len + 1)
+            seed = pipeline.shuffle_seed(self.seed, n)
+            for position, r in enumerate(group):
+                shards[r] = [
+                    pipeline.window_shard(
+                        windows,
+                        seed,
+                        position,
+                        len(group),
+                        d,
+                        self.data_shards,
+                        self.batch // self.data_shards,
+                        self.steps_per_round,
+                    )
+                    for d in range(self.data_shards)
+                ]
+        return pipeline.rounds(shards)
 
     @property
     def vocab_size(self) -> int:
@@ -171,22 +232,21 @@ class ReplicaStreams:
         return out
 
     def round_batch(self, round_index: int) -> np.ndarray:
-        """``[R, H, B, seq_len + 1]`` int32 windows of round ``round_index``."""
-        k = checked_int("round_index", round_index, 0)
-        out = np.empty(self.shape, np.int32)
-        for r in range(self.replicas):
-            rng = np.random.default_rng([self.seed, 0, k, r])
-            out[r] = self._draw(rng, self._pools[r], math.prod(self.shape[1:3])).reshape(
-                self.shape[1:]
-            )
-        return out
+        """``[R, H, B, seq_len + 1]`` int32 windows of round ``round_index`` (read directly)."""
+        return self.dataset[checked_int("round_index", round_index, 0)]
+
+    def iterator(self, start: int = 0) -> grain.DatasetIterator:
+        """A Grain iterator over the rounds from ``start`` on, drawing the next one in a
+        thread (:data:`experiments.pipeline.READ_OPTIONS`). Its state, ``{"next_index": k}``,
+        is the next round it yields: save it with ``grain.checkpoint.CheckpointSave``."""
+        it = iter(self.dataset.to_iter_dataset(pipeline.READ_OPTIONS))
+        if checked_int("start", start, 0):
+            it.set_state({"next_index": start})
+        return it
 
     def rounds(self, start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
-        """``(k, round_batch(k))`` for k = start, start + 1, ...: resuming is choosing start."""
-        k = checked_int("start", start, 0)
-        while True:
-            yield k, self.round_batch(k)
-            k += 1
+        """``(k, round_batch(k))`` for k = start, start + 1, ... (from :meth:`iterator`)."""
+        yield from enumerate(self.iterator(start), start)
 
     def eval_batch(self, n: int, seed: int | None = None) -> np.ndarray:
         """``[n, seq_len + 1]`` held-out windows, fixed by ``seed`` (default: the stream seed).
@@ -211,6 +271,7 @@ class ReplicaStreams:
 _OPTIONS = {
     "replicas", "steps_per_round", "batch", "seq_len", "seed", "iid", "eval_fraction",
     "path", "vocab_size", "branching", "temperature", "token_dtype", "max_bytes", "source_seed",
+    "data_shards",
 }  # fmt: skip
 
 
@@ -229,7 +290,8 @@ def make_streams(kind: str | Mapping[str, Any], /, **options: Any) -> ReplicaStr
       with the sidecar is refused). :mod:`experiments.tokenize_corpus` writes both files.
 
     Common: ``batch`` (8), ``seq_len`` (64), ``seed`` (0), ``iid`` (True),
-    ``eval_fraction`` (0.05). Bad input raises ValueError naming the field.
+    ``eval_fraction`` (0.05), ``data_shards`` (1: the pipelines per replica, ``batch`` split
+    over them). Bad input raises ValueError naming the field.
     """
     if isinstance(kind, Mapping):
         options = {**kind, **options}
@@ -243,7 +305,9 @@ def make_streams(kind: str | Mapping[str, Any], /, **options: Any) -> ReplicaStr
         if name not in options:
             raise ValueError(f"{name}: is required")
     o = {"batch": 8, "seq_len": 64, "seed": 0, "iid": True, "eval_fraction": 0.05} | options
-    common = {k: o[k] for k in ("replicas", "batch", "seq_len", "steps_per_round", "seed", "iid")}
+    o.setdefault("data_shards", 1)
+    names = ("replicas", "batch", "seq_len", "steps_per_round", "seed", "iid", "data_shards")
+    common = {k: o[k] for k in names}
     for name in ("replicas", "batch", "seq_len", "steps_per_round", "seed", "source_seed"):
         checked_int(name, o.get(name, 0), 0 if "seed" in name else 1)  # before loading anything
     vocab, path = o.get("vocab_size"), o.get("path")

@@ -73,8 +73,9 @@ CLAIMS = [
 
 def verdicts(rows: list[dict]) -> list[str]:
     """One line per published claim (:data:`CLAIMS`): ``held`` or ``not held`` with the rows'
-    eval losses, or why it cannot be judged here (a row not in the sweep, failed or
-    diverged)."""
+    eval losses. A diverged (or non-finite) row counts as worse than any finite loss (+inf),
+    so an ordering it is on the losing side of can still hold; a claim cannot be judged here
+    when a row is not in the sweep, failed, or when every row of it diverged."""
     by_label = {r["label"]: r for r in rows}
     out = []
     for claim, labels, check in CLAIMS:
@@ -83,13 +84,19 @@ def verdicts(rows: list[dict]) -> list[str]:
         if missing:
             out.append(f"- {claim}: not in this sweep ({', '.join(missing)} not run)")
             continue
-        bad = [r for r in found if r.get("status") != "done" or r.get("flag")]
-        if bad:
-            why = ", ".join(f"{r['label']} {r.get('flag') or r.get('status')}" for r in bad)
+        failed = [r for r in found if r.get("status") != "done"]
+        if failed or all(r.get("flag") for r in found):
+            why = ", ".join(
+                f"{r['label']} {r.get('status') if r in failed else r.get('flag')}"
+                for r in failed or found
+            )
             out.append(f"- {claim}: cannot be judged ({why})")
             continue
-        losses = [r["eval_loss"] for r in found]
-        shown = ", ".join(f"{lab} {v:.4f}" for lab, v in zip(labels, losses, strict=True))
+        losses = [math.inf if r.get("flag") else r["eval_loss"] for r in found]
+        shown = ", ".join(
+            f"{r['label']} {r['flag']}" if r.get("flag") else f"{r['label']} {v:.4f}"
+            for r, v in zip(found, losses, strict=True)
+        )
         out.append(f"- {claim}: **{'held' if check(*losses) else 'not held'}** ({shown})")
     return out
 
@@ -214,7 +221,46 @@ def _entropy(rows: list[dict]) -> float | None:
     return floors[0] if floors else None
 
 
+FAMILIES = (
+    ("synchronous and periodic", ("ddp", "local_sgd", "slowmo", "diloco")),
+    ("delayed and eager", ("delayed_diloco", "eager_diloco", "co2", "cocodc")),
+    ("streaming", ("streaming_diloco",)),
+    ("compressed, sparse and gossip", ("sparseloco", "demo", "dct_diloco", "diloco_x", "noloco")),
+)
+"""The plots' facets: each row in its algorithm's family, a compressed payload
+(``outer.compression``) among the compressed; any other algorithm in a facet of its own."""
+REFERENCES = ("ddp", "diloco")  # drawn in grey in the other facets, to compare against
+
+
+def family(row: dict) -> str:
+    """The facet of ``row`` (:data:`FAMILIES`)."""
+    compressed = any(
+        o.startswith("outer.compression=") and not o.endswith("=none")
+        for o in row.get("overrides", ())
+    )
+    if compressed:
+        return FAMILIES[-1][0]
+    for name, algorithms in FAMILIES:
+        if row.get("algorithm") in algorithms:
+            return name
+    return str(row.get("algorithm", "other"))
+
+
+def _references(rows: list[dict]) -> list[dict]:
+    """The first finished plain DDP and DiLoCo rows (no compression)."""
+    found = {}
+    for r in rows:
+        a = r.get("algorithm")
+        if a in REFERENCES and a not in found and r.get("status") == "done":
+            if family(r) == FAMILIES[0][0]:
+                found[a] = r
+    return [found[a] for a in REFERENCES if a in found]
+
+
 def _plot(rows, base, out: Path, tokens: int | None) -> list[str]:
+    """One figure per x axis (:data:`PLOTS`), a facet per family (:func:`family`), the DDP
+    and DiLoCo rows repeated in grey in the facets they are not in; the eval-loss axis is
+    shared."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,43 +270,69 @@ def _plot(rows, base, out: Path, tokens: int | None) -> list[str]:
     title = f"{base.name}: R={R}, H={H}, " + (
         f"{tokens:,} tokens per run" if tokens else "tokens per run n/a"
     )
-    styles = plot_styles(len(rows))
+    styles = dict(zip((id(r) for r in rows), plot_styles(len(rows)), strict=True))
     limits = y_limits(rows)
     entropy = _entropy(rows)
     floor_label = "entropy floor"
     if entropy is not None and limits is not None and not limits[0] <= entropy <= limits[1]:
         floor_label = f"entropy floor {entropy:.3f} (off the axis)"
+    order = [name for name, _ in FAMILIES]
+    facets: dict[str, list[dict]] = {}
+    for r in sorted(rows, key=lambda r: [*order, family(r)].index(family(r))):
+        facets.setdefault(family(r), []).append(r)
+    references = _references(rows)
+    cols = 2 if len(facets) > 1 else 1
+    grid = (math.ceil(len(facets) / cols), cols)
     names = []
     for key, xlabel, name, log in PLOTS:
-        fig, ax = plt.subplots(figsize=(8.6, 4.6))
-        for r, (colour, ls, marker) in zip(rows, styles, strict=True):
-            if r.get("status") != "done":
-                continue
+        fig, axes = plt.subplots(
+            *grid, figsize=(7.2 * cols, 3.6 * grid[0]), sharey=True, squeeze=False
+        )
+        drawn = 0
+
+        def curve(ax, r, key=key, log=log, **style):
             xs = np.asarray(r[key], dtype=float)
             ys = np.asarray(r["curve_loss"], dtype=float)
             keep = np.isfinite(xs) & np.isfinite(ys)
             xs, ys = xs[keep], ys[keep]
             if log:
                 xs = np.maximum(xs, 1.0)
-            label = r["label"] + (f" ({r['flag']})" if r.get("flag") else "")
-            ax.plot(xs, ys, color=colour, ls=ls, marker=marker, ms=3, lw=1.4, label=label)
-        if entropy is not None:
-            ax.axhline(entropy, color="k", ls=":", lw=1, label=floor_label)
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("eval loss (nats/token)")
-        if log:
-            ax.set_xscale("log")
-        if limits is not None:
-            ax.set_ylim(*limits)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-        else:
-            ax.text(0.5, 0.5, "no finished rows yet", ha="center", transform=ax.transAxes)
+            ax.plot(xs, ys, ms=3, **style)
+
+        for ax, (facet, members) in zip(axes.flat, facets.items(), strict=False):
+            for ref, (grey, ls) in zip(references, (("0.35", "--"), ("0.65", "-.")), strict=False):
+                if all(ref is not m for m in members):
+                    label = ref["label"] + " (reference)"
+                    curve(ax, ref, color=grey, ls=ls, lw=1.0, label=label)
+            for r in members:
+                if r.get("status") != "done":
+                    continue
+                colour, ls, marker = styles[id(r)]
+                label = r["label"] + (f" ({r['flag']})" if r.get("flag") else "")
+                curve(ax, r, color=colour, ls=ls, marker=marker, lw=1.4, label=label)
+                drawn += 1
+            if entropy is not None:
+                ax.axhline(entropy, color="k", ls=":", lw=1, label=floor_label)
+            ax.set_title(facet, fontsize=9)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("eval loss (nats/token)")
+            if log:
+                ax.set_xscale("log")
+            if limits is not None:
+                ax.set_ylim(*limits)
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7, loc="upper right")
+        for ax in axes.flat[len(facets) :]:
+            ax.set_visible(False)
+        if not drawn:
+            axes.flat[0].text(
+                0.5, 0.5, "no finished rows yet", ha="center", transform=axes.flat[0].transAxes
+            )
+        fig.suptitle(title, fontsize=10)
         fig.tight_layout()
         tmp = out / f".{name}.tmp"
-        fig.savefig(tmp, dpi=120, format="png", bbox_inches="tight")
+        fig.savefig(tmp, dpi=110, format="png", bbox_inches="tight")
         plt.close(fig)
         os.replace(tmp, out / name)
         names.append(name)

@@ -6,8 +6,8 @@ Builds the data streams, the flax.nnx transformer, the inner AdamW and the outer
 from a :class:`experiments.config.Config`, runs ``train.rounds`` rounds of
 :class:`co2jax.RoundTrainer`, and writes into ``log.dir/<name>/``: ``config.json`` (the
 resolved config), ``metrics.jsonl`` (one record per round), TensorBoard event files, and orbax
-checkpoints when ``checkpoint.dir`` is set (``--resume`` continues from the latest one; the
-data position is the round index, so a resumed run sees the same batches).
+checkpoints when ``checkpoint.dir`` is set (``--resume`` continues from the latest one; each
+checkpoint holds the Grain data iterator's state, so a resumed run reads the same batches).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 import co2jax
 from co2jax import compilation_cache
 from co2jax.algorithms import registry
+from co2jax.axes import DATA
 from co2jax.fragments import make_fragments
 from experiments import checkpoints as ckpt_lib
 from experiments import checks, round_stats, rundir, xla_flags
@@ -187,15 +188,31 @@ def _build(cfg: config_lib.Config) -> Run:
 
 def _build_programs(cfg: config_lib.Config) -> tuple[_Programs, Any]:
     """The programs of ``cfg`` and its initial parameters."""
-    t, i = cfg.train, cfg.inner
-    try:
+    t = cfg.train
+    mesh = co2jax.make_mesh(cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model)
+    try:  # one Grain pipeline per (replica, data shard): a data device's rows
         streams = data_lib.make_streams(
             dataclasses.asdict(cfg.data),
             replicas=cfg.mesh.replica,
             steps_per_round=t.sync_every,
+            data_shards=mesh.shape[DATA],
         )
     except ValueError as e:  # the data's own checks (a file's size, its sidecar): one line
         raise config_lib.from_library(ValueError(f"data.{e}")) from None
+    mcfg = model_config(cfg, streams.vocab_size)
+    graphdef, params = model_lib.init_params(mcfg, t.seed)
+    trainer, loss_fn, schedule = build_trainer(cfg, mesh, graphdef, params)
+    eval_fn = model_lib.make_eval_fn(loss_fn, trainer.mesh)
+    eval_batch = jax.device_put(
+        streams.eval_batch(cfg.eval.batch), NamedSharding(trainer.mesh, P())
+    )
+    evaluate = (eval_fn, eval_batch)
+    return _Programs(trainer, streams, mcfg, graphdef, loss_fn, evaluate, schedule), params
+
+
+def model_config(cfg: config_lib.Config, vocab_size: int) -> model_lib.ModelConfig:
+    """The transformer of ``cfg`` over a vocabulary of ``vocab_size`` (checked against the
+    tensor-parallel axis)."""
     overrides = {
         k: v
         for k, v in dataclasses.asdict(cfg.model).items()
@@ -203,13 +220,19 @@ def _build_programs(cfg: config_lib.Config) -> tuple[_Programs, Any]:
     }
     mcfg = model_lib.preset(
         cfg.model.preset,
-        vocab_size=streams.vocab_size,
+        vocab_size=vocab_size,
         max_seq_len=cfg.data.seq_len,
         dtype=cfg.model.dtype,
         **overrides,
     )
     checks.tensor_parallel(cfg.mesh.model, mcfg)
-    graphdef, params = model_lib.init_params(mcfg, t.seed)
+    return mcfg
+
+
+def build_trainer(cfg: config_lib.Config, mesh, graphdef, params) -> tuple[Any, Any, Any]:
+    """``(trainer, loss_fn, schedule)`` of ``cfg`` on ``mesh`` for ``params`` (arrays, or
+    ``jax.ShapeDtypeStruct`` leaves: :mod:`experiments.aot` compiles for a TPU topology)."""
+    t, i = cfg.train, cfg.inner
     loss_fn = model_lib.make_loss_fn(graphdef)
 
     total = t.rounds * t.sync_every
@@ -226,21 +249,18 @@ def _build_programs(cfg: config_lib.Config) -> tuple[_Programs, Any]:
     inner = optax.adamw(schedule, b1=i.b1, b2=i.b2, weight_decay=i.weight_decay)
     inner = registry.inner(cfg.outer, inner, schedule)  # DDP averages gradients; DeMo replaces it
     outer = build_outer(cfg.outer, t.sync_every, schedule, params, rounds=t.rounds)
-    mesh = co2jax.make_mesh(cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model)
     # Pallas' interpreter is not typed for shard_map's varying-axis check (docs/kernels.md)
     check_vma = getattr(cfg.outer, "implementation", "auto") != "interpret"
-    layout = dict(shard_outer_state=t.shard_outer_state, fsdp=t.fsdp)  # TP: mesh.model
+    layout = dict(  # TP: mesh.model
+        shard_outer_state=t.shard_outer_state,
+        fsdp=t.fsdp,
+        offload_outer_state=t.offload_outer_state,
+    )
     specs = model_lib.partition_specs(params)
     trainer = co2jax.RoundTrainer(
         loss_fn, inner, outer, mesh, t.sync_every, check_vma=check_vma, param_specs=specs, **layout
     )
-
-    eval_fn = model_lib.make_eval_fn(loss_fn, trainer.mesh)
-    eval_batch = jax.device_put(
-        streams.eval_batch(cfg.eval.batch), NamedSharding(trainer.mesh, P())
-    )
-    evaluate = (eval_fn, eval_batch)
-    return _Programs(trainer, streams, mcfg, graphdef, loss_fn, evaluate, schedule), params
+    return trainer, loss_fn, schedule
 
 
 class Result(NamedTuple):
@@ -263,14 +283,17 @@ def train_validated(
     overwrite: bool = False,
     out_dir: str | None = None,
     stop_after: int | None = None,
+    progress: str | None = None,
 ) -> Result:
     """Runs ``cfg``, validated where it was loaded (:func:`experiments.checks.load`, or a
     sweep's plan); returns the per-round records and the final state.
 
-    ``stop_after`` ends this invocation after that many rounds in total (as a job time limit
-    would); a later ``resume=True`` run continues from the last checkpoint. Checkpoints are
-    taken at round boundaries: a resumed run repeats the rounds after the last checkpoint and
-    ends bitwise-identical to an uninterrupted one.
+    ``progress``: a label for a progress bar of the rounds that disappears when the run ends,
+    shown on a terminal only, whatever ``log.progress`` says (a sweep's row: the bar inside
+    the row). ``stop_after`` ends this invocation after that many rounds in total (as a job
+    time limit would); a later ``resume=True`` run continues from the last checkpoint.
+    Checkpoints are taken at round boundaries: a resumed run repeats the rounds after the
+    last checkpoint and ends bitwise-identical to an uninterrupted one.
 
     Refused before anything is written (:class:`RunError`): a run directory or checkpoint
     directory holding another run (unless ``resume`` or ``overwrite``), ``resume`` without
@@ -292,6 +315,17 @@ def train_validated(
     )
     if resume and manager is not None and manager.steps():
         start, state = manager.restore(trainer.abstract_state(run.params))
+    # the data: a Grain iterator, positioned where the checkpoint's left it (older checkpoints
+    # hold none: their round is the position)
+    tokens = streams.iterator(start)
+    if start and manager is not None and manager.restore_data(start, tokens):
+        if tokens.get_state().get("next_index") != start:
+            tokens.close()
+            manager.close()
+            raise RunError(
+                f"checkpoint step {start}: its data iterator is at "
+                f"{tokens.get_state()}, not at round {start}; the checkpoint is not this run's"
+            )
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(config_lib.to_json(cfg))
     previous = rundir.kept_records(out / "metrics.jsonl", start)
@@ -306,11 +340,18 @@ def train_validated(
         rundir.hparams(cfg),
     )
     history, bytes_total = [], (previous[-1]["bytes_total"] if previous else 0.0)
-    progress = None
-    if cfg.log.progress:
+    label, progress = progress, None
+    if cfg.log.progress or label is not None:
         from tqdm import tqdm
 
-        progress = tqdm(total=t.rounds, initial=start, desc=cfg.name, unit="round")
+        progress = tqdm(
+            total=t.rounds,
+            initial=start,
+            desc=label or cfg.name,
+            unit="round",
+            leave=label is None,
+            disable=None if label is not None else False,  # None: off unless a terminal
+        )
     eval_fn, eval_batch = run.eval_fn
     every_step = registry.capabilities(cfg.outer.algorithm).every_step
     step_bytes = registry.REGISTRY[cfg.outer.algorithm].step_bytes
@@ -322,12 +363,10 @@ def train_validated(
     try:
         with rundir.Signals() as signals:
             end = t.rounds if stop_after is None else min(t.rounds, stop_after)
-            batch = streams.round_batch(start) if start < end else None
             for k in range(start, end):
                 began = time.perf_counter()
-                state, metrics = trainer.round(state, batch)
-                if k + 1 < end:  # the next round's tokens are drawn while this one computes
-                    batch = streams.round_batch(k + 1)
+                # drawn in Grain's thread while the previous round computed
+                state, metrics = trainer.round(state, next(tokens))
                 metrics = jax.device_get(metrics)
                 seconds = time.perf_counter() - began
                 bytes_round = float(np.asarray(metrics.bytes_communicated)[0])
@@ -388,11 +427,12 @@ def train_validated(
                         )
                 due = cfg.checkpoint.every and (k + 1) % cfg.checkpoint.every == 0
                 if manager is not None and (due or last or signals.signum is not None):
-                    manager.save(k + 1, state)
+                    manager.save(k + 1, state, data=tokens)
                     saved = k + 1
                 if signals.signum is not None and not last:
                     raise rundir.Interrupted(signals.signum, k + 1, saved)
     finally:
+        tokens.close()
         writers.close()
         if progress is not None:
             progress.close()

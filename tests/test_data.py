@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import numpy as np
@@ -291,3 +292,106 @@ def test_missing_required_and_short_corpus(tmp_path):
         s.round_batch(-1)
     with pytest.raises(ValueError, match=r"^sources"):
         data.ReplicaStreams([data.MarkovSource(4, 2), _ramp(100)], 1, 1, 4, 1)
+
+
+# --- the Grain pipeline ------------------------------------------------------------------------
+
+
+def _window_index(r, k, h, row, R, H, B, D):
+    """Where window (replica r, round k, step h, batch row) sits in its pool's dealt order:
+    shard d = row // b reads positions r + R (d + D n), n = (k H + h) b + row % b."""
+    b = B // D
+    n = (k * H + h) * b + row % b
+    return r + R * (row // b + D * n)
+
+
+@pytest.mark.parametrize("D", [1, 2])
+def test_corpus_epoch_is_a_permutation_dealt_to_disjoint_replicas(D):
+    R, H, B, L, n = 3, 2, 4, 5, 1201  # 1140 training tokens: 227 windows, not a multiple of R B
+    s = data.ReplicaStreams(_ramp(n), R, B, L, H, seed=3, data_shards=D)
+    windows = (n - math.ceil(0.05 * n) - 1) // L
+    seen = {}
+    for k in range(windows // (R * H * B) + 2):
+        x = s.round_batch(k)
+        for r, h, row in np.ndindex(R, H, B):
+            seen[_window_index(r, k, h, row, R, H, B, D)] = x[r, h, row]
+    first = [seen[i] for i in range(windows)]  # one epoch, across replicas and shards
+    assert all((np.diff(w) == 1).all() for w in first)
+    starts = sorted(int(w[0]) for w in first)
+    assert starts == [L * i for i in range(windows)]  # every window once: a permutation
+    order = [int(w[0]) for w in first]
+    assert order != starts  # shuffled
+    second = [int(seen[i][0]) for i in range(windows, min(len(seen), 2 * windows))]
+    assert len(second) > 10 and second != order[: len(second)]  # each epoch reshuffled
+
+
+def test_a_replicas_windows_do_not_depend_on_the_data_shards():
+    one = data.ReplicaStreams(_ramp(5000), 2, 8, 7, 3, seed=1, data_shards=1)
+    four = data.ReplicaStreams(_ramp(5000), 2, 8, 7, 3, seed=1, data_shards=4)
+    for k in range(3):
+        a, b = one.round_batch(k), four.round_batch(k)
+        assert not np.array_equal(a, b)  # rows are dealt to the shards in another order
+        for r, h in np.ndindex(2, 3):
+            np.testing.assert_array_equal(np.sort(a[r, h, :, 0]), np.sort(b[r, h, :, 0]))
+    other = data.ReplicaStreams(_ramp(5000), 2, 8, 7, 3, seed=2, data_shards=1)
+    assert not np.array_equal(np.sort(other.round_batch(0)[0, 0, :, 0]), np.sort(a[0, 0, :, 0]))
+
+
+def test_markov_rounds_follow_the_stream_rule_at_any_data_shards():
+    """Replica r of round k is ``MarkovSource.sample(default_rng([seed, 0, k, r]), H B, L + 1)``
+    (one iid source), bitwise, whatever the data shards."""
+    src = data.MarkovSource(48, 4, seed=5)
+    R, H, B, L, seed = 3, 2, 6, 9, 11
+    for D in (1, 2, 3):
+        s = data.ReplicaStreams(src, R, B, L, H, seed=seed, data_shards=D)
+        for k in (0, 4):
+            x = s.round_batch(k)
+            for r in range(R):
+                want = src.sample(np.random.default_rng([seed, 0, k, r]), H * B, L + 1)
+                np.testing.assert_array_equal(x[r], want.reshape(H, B, L + 1))
+
+
+@pytest.mark.parametrize("kind", ["markov", "corpus"])
+def test_the_iterator_state_resumes_at_the_next_round(kind):
+    src = data.MarkovSource(32, 4) if kind == "markov" else _ramp(3000)
+    s = data.ReplicaStreams(src, 4, 4, 8, 2, seed=0, data_shards=2)
+    it = s.iterator()
+    got = [next(it) for _ in range(3)]
+    state = it.get_state()
+    assert state == {"next_index": 3}
+    later = next(it)
+    again = s.iterator()
+    again.set_state(state)
+    np.testing.assert_array_equal(next(again), later)
+    for k, x in enumerate(got):
+        np.testing.assert_array_equal(x, s.round_batch(k))
+    k, x = next(s.rounds(start=5))
+    assert k == 5 and np.array_equal(x, s.round_batch(5))
+    for i in (it, again):
+        i.close()
+
+
+def test_a_checkpoint_keeps_the_iterator_state(tmp_path):
+    import jax.numpy as jnp
+
+    from experiments.checkpoints import Checkpoints
+
+    s = data.ReplicaStreams(_ramp(3000), 2, 4, 8, 2, seed=0, data_shards=2)
+    ckpt = Checkpoints(tmp_path, keep=3)
+    it = s.iterator()
+    ckpt.save(1, {"w": jnp.ones(2)})  # a checkpoint without the data (an older run's)
+    next(it), next(it)
+    ckpt.save(2, {"w": jnp.ones(2)}, data=it)
+    fresh = s.iterator()
+    assert not ckpt.restore_data(1, fresh) and fresh.get_state() == {"next_index": 0}
+    assert ckpt.restore_data(2, fresh) and fresh.get_state() == {"next_index": 2}
+    np.testing.assert_array_equal(next(fresh), s.round_batch(2))
+    ckpt.close()
+    it.close(), fresh.close()
+
+
+def test_the_data_shards_must_divide_the_batch():
+    with pytest.raises(ValueError, match=r"^batch=6: must be a multiple of data_shards=4"):
+        data.make_streams("markov", **(_OK | {"batch": 6, "data_shards": 4}))
+    with pytest.raises(ValueError, match=r"^data_shards=0"):
+        data.make_streams("markov", **(_OK | {"data_shards": 0}))

@@ -143,11 +143,25 @@ def test_resume_is_bitwise_identical(algorithm, tmp_path):
     assert len(records) == 4
 
 
-def test_report_writes_table_and_plots(tmp_path):
+def test_report_writes_table_and_plots(tmp_path, monkeypatch):
+    import tqdm
+
+    bars = []
+
+    class Bar(tqdm.tqdm):  # each row's bar of its rounds, recorded
+        def __init__(self, *args, **kwargs):
+            bars.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
     base = _micro(tmp_path / "runs", "log.progress=false")
     sweep = [("DDP", ["outer.algorithm=ddp"]), ("CO2", ["outer.algorithm=co2"])]
     link = sweep_rows.Link()
     rows = compare.run_sweep(base, tmp_path, link, sweep)
+    assert [(b["desc"], b["total"], b["leave"], b["disable"]) for b in bars] == [
+        ("DDP", 2, False, None),  # None: shown on a terminal only
+        ("CO2", 2, False, None),
+    ]
     path = report.write_report(rows, base, tmp_path, link)
     text = path.read_text()
     assert "| DDP |" in text and "| CO2 |" in text and "Published ordering" in text
@@ -181,9 +195,34 @@ def test_each_published_claim_is_held_or_not_with_its_numbers():
     lines = report.verdicts(list(rows.values()))
     assert "**not held**" in next(ln for ln in lines if ln.startswith("- Eager updates"))
     assert "**not held**" in next(ln for ln in lines if ln.startswith("- DiLoCo matches"))
-    rows["Delayed DiLoCo (naive)"]["flag"] = "diverged"
+    rows["Eager DiLoCo"]["eval_loss"] = 2.03
+    rows["Delayed DiLoCo (naive)"]["flag"] = "diverged"  # worse than any finite loss
     line = next(ln for ln in report.verdicts(list(rows.values())) if "Eager" in ln)
-    assert "cannot be judged (Delayed DiLoCo (naive) diverged)" in line
+    assert "**held**" in line and "Delayed DiLoCo (naive) diverged" in line, line
+    rows["Eager DiLoCo"]["flag"] = "diverged"  # on the winning side: the order fails
+    line = next(ln for ln in report.verdicts(list(rows.values())) if "Eager" in ln)
+    assert "**not held**" in line and "Eager DiLoCo diverged" in line, line
+    for r in rows.values():
+        r["flag"] = "diverged"
+    line = next(ln for ln in report.verdicts(list(rows.values())) if "Eager" in ln)
+    assert "cannot be judged" in line, line
+    rows["DDP"]["status"] = "failed"
+    line = next(ln for ln in report.verdicts(list(rows.values())) if "DiLoCo matches" in ln)
+    assert "cannot be judged (DDP failed)" in line, line
+
+
+def test_rows_fall_into_their_family_facets():
+    row = lambda a, *o: {"algorithm": a, "overrides": [f"outer.algorithm={a}", *o]}
+    assert report.family(row("ddp")) == report.family(row("diloco")) == "synchronous and periodic"
+    assert report.family(row("co2")) == report.family(row("eager_diloco")) == "delayed and eager"
+    assert report.family(row("streaming_diloco")) == "streaming"
+    compressed = "compressed, sparse and gossip"
+    assert report.family(row("diloco", "outer.compression=int8")) == compressed
+    assert report.family(row("diloco", "outer.compression=none")) != compressed
+    assert report.family(row("sparseloco")) == compressed
+    assert report.family({"algorithm": "new_one"}) == "new_one"  # a facet of its own
+    covered = {a for _, algorithms in report.FAMILIES for a in algorithms}
+    assert covered == set(config_lib.ALGORITHMS)  # every registered algorithm has a family
 
 
 def test_a_diverged_row_is_not_priced(tmp_path):

@@ -39,7 +39,10 @@ LAYOUTS = {
     "fsdp": ((4, 2, 1), {"fsdp": True}, None),
     "tp": ((4, 1, 2), {}, {"b": P("model"), "w": P("model")}),
     "fsdp_tp": ((2, 2, 2), {"fsdp": True}, {"b": None, "w": P("model")}),
+    # the outer state split over data and kept in host memory: the round engine's option
+    "sharded_offload": ((4, 2, 1), {"shard_outer_state": True, "offload_outer_state": True}, None),
 }
+ENGINE_ONLY = {"sharded_offload": ("engine",)}  # a layout only the round engine offers
 ON_ONE_DEVICE = ("vmap_sync", "adapter")
 ON_A_MESH = ("shard_map_sync", "adapter_shard_map", "engine", "engine_fused")
 DRIVERS = ON_ONE_DEVICE + ON_A_MESH
@@ -65,6 +68,7 @@ CELLS = [
     for d in DRIVERS
     if (n, d) not in NOT_APPLICABLE
     for layout in (("replicated",) if d in ON_ONE_DEVICE else LAYOUTS)
+    if d in ENGINE_ONLY.get(layout, DRIVERS)
 ]
 
 
@@ -90,6 +94,7 @@ def place(tree, mesh, specs):
 def layout_specs(layout: str, outer, inner, params):
     """Per-replica specs of (params, inner state, outer state) in ``layout``."""
     (replica, data, model), options, specs = LAYOUTS[layout]
+    options = {k: v for k, v in options.items() if k != "offload_outer_state"}
     lay = Layout({"data": data, "model": model}, **options)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)
     param = lay.param_specs(shapes, specs)

@@ -4,6 +4,12 @@ and a run that trains on it or refuses it in one line."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +18,7 @@ from experiments import data, train
 from experiments import tokenize_corpus as tc
 
 pytest.importorskip("tokenizers")
+ROOT = Path(__file__).resolve().parents[1]
 
 TEXTS = {
     "a.txt": "The quick brown fox jumps over the lazy dog. " * 30 + "Ünïcödé ✓ stays.\n",
@@ -165,14 +172,49 @@ def _run_args(tmp_path, *extra):
     ]
 
 
-def test_a_run_trains_on_the_token_file(corpus, tmp_path, capsys):
+_VOLATILE = ("seconds", "tokens_per_s")  # wall-clock fields: the only ones that may differ
+
+
+def _records(path):
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in _VOLATILE} for row in rows]
+
+
+def test_tokenize_train_kill_and_resume_ends_bitwise_equal(corpus, tmp_path):
+    """The documented sequence at R = 4 x 2: tokenize a corpus, train on it through Grain, kill
+    the run (SIGKILL, in a process of its own) after a checkpoint, resume: every record of the
+    resumed run equals the uninterrupted run's, bit for bit."""
     out = tmp_path / "corpus.bin"
     info = tc.tokenize_corpus([corpus], out, vocab_size=300)
-    train.main(_run_args(tmp_path, f"data.path={out}", f"data.vocab_size={info['vocab_size']}"))
-    records = (tmp_path / "logs" / "micro" / "metrics.jsonl").read_text().splitlines()
-    first = json.loads(records[0])
-    assert first["round"] == 1 and np.isfinite(first["train_loss"])
-    assert first["train_loss"] < np.log(info["vocab_size"]) + 1.0
+    common = [
+        "--preset", "micro", "log.tensorboard=false", "train.rounds=8", "checkpoint.every=1",
+        "data.kind=tokens", f"data.path={out}", f"data.vocab_size={info['vocab_size']}",
+        "mesh.replica=4", "mesh.data=2",
+    ]  # fmt: skip
+
+    def args(name):
+        return [*common, f"log.dir={tmp_path / name}", f"checkpoint.dir={tmp_path / name}-ckpt"]
+
+    train.main(args("straight"))
+    straight = _records(tmp_path / "straight" / "micro" / "metrics.jsonl")
+    assert [r["round"] for r in straight] == list(range(1, 9))
+    assert straight[0]["train_loss"] < np.log(info["vocab_size"]) + 1.0
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "experiments.train", *args("killed")]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    second = tmp_path / "killed-ckpt" / "2"
+    deadline = time.monotonic() + 300
+    while not second.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    err = proc.communicate(timeout=60)[1].decode()
+    assert proc.returncode == -signal.SIGKILL, err[-500:]  # killed, not finished
+    kept = _records(tmp_path / "killed" / "micro" / "metrics.jsonl")
+    assert 2 <= len(kept) < 8
+    train.main([*args("killed"), "--resume"])
+    assert _records(tmp_path / "killed" / "micro" / "metrics.jsonl") == straight
 
 
 @pytest.mark.parametrize(

@@ -23,12 +23,21 @@ def shapes_key(tree: Any) -> tuple:
 
 
 def check_batch(
-    params: Any, batch: Any, replicas: int, H: int, data: int, loss_fn, checked, slices: int = 1
+    params: Any,
+    batch: Any,
+    replicas: int,
+    H: int,
+    data: int,
+    loss_fn,
+    checked,
+    slices: int = 1,
+    model_state: Any = (),
 ):
     """Raises ``ValueError`` naming the leaf and its shape where ``batch`` does not fit;
     ``params`` are the replica-stacked parameters, ``checked`` a set of shapes already
     traced (a refused batch is not added); ``loss_fn`` is traced on 1/``slices`` of a
-    step's batch (what each ``data`` device hands it)."""
+    step's batch (what each ``data`` device hands it), as ``loss_fn(params, batch,
+    *model_state)`` when a ``model_state`` (replica-stacked) is given."""
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ValueError("batch must have at least one array leaf")
@@ -49,14 +58,15 @@ def check_batch(
                 f"batch leaf {name} has shape {shape}: its batch dim {shape[2]} must be a "
                 f"multiple of the data axis size {data}"
             )
-    key = shapes_key(params), shapes_key(batch)
+    key = shapes_key(params), shapes_key(batch), shapes_key(model_state)
     if key in checked:
         return
     one_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)
     one = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((x.shape[2] // slices, *x.shape[3:]), x.dtype), batch
     )
-    out = jax.eval_shape(loss_fn, one_params, one)
+    extra = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), model_state)]
+    out = jax.eval_shape(loss_fn, one_params, one, *(extra if model_state != () else []))
     if not (hasattr(out, "shape") and out.shape == ()):
         raise ValueError(
             f"loss_fn must return a scalar, got {getattr(out, 'shape', type(out).__name__)}"

@@ -47,6 +47,7 @@ class Carry(NamedTuple):
         of this round's transfers (their values; for the metrics).
       inflight: per transfer, its :class:`~co2jax.comm.chunks.Buffer` while it is in
         chunks, else ``()``.
+      model_state: the replica's model state that is not parameters (``()`` for none).
     """
 
     params: Any
@@ -54,6 +55,7 @@ class Carry(NamedTuple):
     outer_state: Any
     sums: jax.Array
     inflight: tuple
+    model_state: Any = ()
 
 
 class Specs(NamedTuple):
@@ -89,10 +91,14 @@ class RoundDriver:
       outer: the algorithm.
       walk: the round's walk (transfers as run).
       reducers: one per transfer.
-      step: ``step(carry, batch_k, k) -> (carry, loss)``, one inner step.
+      step: ``step(carry, batch_k, k) -> (carry, (loss, aux))``, one inner step.
       batch: the round's batch, ``[H, ...]`` leaves.
       specs: where the state is kept (:class:`Specs`).
       shards: the replica's devices a chunk is split over (:func:`co2jax.comm.chunks.plan`).
+      offload: the outer state lives in host memory (``pinned_host``): it is moved to the
+        device for each send and apply and back after, and stays out of the inner loops'
+        carry (no inner step reads it), so the accelerator holds it only around the outer
+        step.
     """
 
     def __init__(
@@ -104,12 +110,15 @@ class RoundDriver:
         batch: Any,
         specs: Specs,
         shards: int = 1,
+        offload: bool = False,
     ):
         self.outer, self.walk, self.reducers, self.shards = outer, walk, reducers, shards
+        self.offload = offload
         self.step, self.batch, self.specs = step, batch, specs
         self.store: dict[int, tuple[Any, Any]] = {}  # a transfer in one piece, in flight
         self.plans: dict[int, chunks.Plan] = {}
-        self.losses: list[jax.Array] = []
+        self.losses: list[jax.Array] = []  # [steps] per segment
+        self.aux: list[Any] = []  # the loss function's auxiliary outputs, [steps] leaves
 
     def _hold(self, c: Carry, i: int, held) -> Carry:
         return c._replace(inflight=(*c.inflight[:i], held, *c.inflight[i + 1 :]))
@@ -117,10 +126,17 @@ class RoundDriver:
     def _add(self, c: Carry, i: int, s: jax.Array) -> Carry:
         return c._replace(sums=c.sums.at[i].add(s))
 
+    def _outer_in(self, state: Any) -> Any:
+        return jax.device_put(state, jax.memory.Space.Device) if self.offload else state
+
+    def _outer_out(self, state: Any) -> Any:
+        state = constrain(state, self.specs.outer_state)
+        return jax.device_put(state, jax.memory.Space.Host) if self.offload else state
+
     def send(self, c: Carry, i: int) -> Carry:
         params = constrain(c.params, self.specs.outer_params)
-        payload, state = self.outer.send(params, c.outer_state, i)
-        c = c._replace(outer_state=constrain(state, self.specs.outer_state))
+        payload, state = self.outer.send(params, self._outer_in(c.outer_state), i)
+        c = c._replace(outer_state=self._outer_out(state))
         t = self.walk.transfers[i]
         if t.chunks == 1:
             self.store[i] = (payload, self.reducers[i](payload))
@@ -144,13 +160,18 @@ class RoundDriver:
             pairs = (jax.tree.leaves(values(payload)), jax.tree.leaves(values(reduced)))
             c = self._add(c, i, sums(*pairs))
         params = constrain(c.params, self.specs.outer_params)
-        params, state = self.outer.apply(params, c.outer_state, i, reduced)
+        params, state = self.outer.apply(params, self._outer_in(c.outer_state), i, reduced)
         return c._replace(
-            params=constrain(params, self.specs.params),
-            outer_state=constrain(state, self.specs.outer_state),
+            params=constrain(params, self.specs.params), outer_state=self._outer_out(state)
         )
 
     def segment(self, c: Carry, segment: Segment) -> Carry:
+        if self.offload:  # the loop runs without it: it stays in host memory meanwhile
+            held = c.outer_state
+            return self._segment(c._replace(outer_state=None), segment)._replace(outer_state=held)
+        return self._segment(c, segment)
+
+    def _segment(self, c: Carry, segment: Segment) -> Carry:
         start, stop = segment.start, segment.stop
         sends = {i: self.walk.transfers[i].send for i in segment.chunked}
 
@@ -162,51 +183,73 @@ class RoundDriver:
 
         xs = (jax.tree.map(lambda x: x[start:stop], self.batch), jnp.arange(start, stop))
         if stop - start == 1:  # one step: straight-line code, not a loop of one
-            c, loss = one(c, jax.tree.map(lambda x: x[0], xs))
+            c, (loss, aux) = one(c, jax.tree.map(lambda x: x[0], xs))
             self.losses.append(loss[None])
+            self.aux.append(jax.tree.map(lambda x: x[None], aux))
             return c
-        c, losses = jax.lax.scan(one, self._placed(c), xs)
+        c, (losses, aux) = jax.lax.scan(one, self._placed(c), xs)
         self.losses.append(losses)
+        self.aux.append(aux)
         return self._placed(c)
+
+    def step_aux(self) -> Any:
+        """The loss function's auxiliary outputs of every step, ``[H]`` leaves."""
+        return jax.tree.map(lambda *a: jnp.concatenate(a), *self.aux)
 
     def _placed(self, c: Carry) -> Carry:
         """The state where the layout says around a loop: the loop's carry keeps it (sharding
         propagation from an outer update on a split outer state would otherwise split the
         parameters in the loop and gather them at every step)."""
+        outer_state = c.outer_state
+        if outer_state is not None:
+            outer_state = constrain(outer_state, self.specs.outer_state)
         return c._replace(
             params=constrain(c.params, self.specs.params),
             inner_state=constrain(c.inner_state, self.specs.inner_state),
-            outer_state=constrain(c.outer_state, self.specs.outer_state),
+            outer_state=outer_state,
         )
 
 
 def inner_step(
     loss_fn, inner, specs: Specs, taken=None, by_slices: bool = True, check_vma: bool = True
 ) -> Callable:
-    """``step(carry, batch_k, k) -> (carry, loss)``: one inner step of the replica on its
-    batch of the step (:func:`co2jax.engines.gradients.value_and_grad`: ``by_slices``, each
-    ``data`` device's slice and one mean over ``data``; the ``model`` axis the compiler's).
-    ``taken``: the replica's step count this round; a step at or past it leaves the
-    parameters and the inner state as they are."""
+    """``step(carry, batch_k, k) -> (carry, (loss, aux))``: one inner step of the replica on
+    its batch of the step (:func:`co2jax.engines.gradients.value_and_grad`: ``by_slices``,
+    each ``data`` device's slice and one mean over ``data``; the ``model`` axis the
+    compiler's). ``loss_fn(params, batch, model_state) -> (loss, (aux, model_state))``; the
+    carry's ``model_state`` is replaced by the one it returns. ``taken``: the replica's step
+    count this round; a step at or past it leaves the parameters, the inner state and the
+    model state as they are."""
 
     def step(c: Carry, batch, k) -> tuple[Carry, jax.Array]:
         # the loop's carry where the layout says, at the step's start and end: sharding
         # propagation would otherwise carry a split outer state's layout into the steps
+        held = c.outer_state is not None  # None: held outside the loop (offloaded)
+        outer_state = constrain(c.outer_state, specs.outer_state) if held else None
         c = c._replace(
             params=constrain(c.params, specs.params),
             inner_state=constrain(c.inner_state, specs.inner_state),
-            outer_state=constrain(c.outer_state, specs.outer_state),
+            outer_state=outer_state,
         )
-        loss, grads = gradients.value_and_grad(loss_fn, c.params, batch, by_slices, check_vma)
+        (loss, (aux, model_state)), grads = gradients.value_and_grad(
+            loss_fn, c.params, batch, by_slices, check_vma, c.model_state
+        )
         updates, inner_state = inner.update(grads, c.inner_state, c.params)
         params = optax.apply_updates(c.params, updates)
         if taken is not None:  # a replica with fewer steps this round holds after them
-            params, inner_state = tree_select(
-                k < taken, (params, inner_state), (c.params, c.inner_state)
+            params, inner_state, model_state = tree_select(
+                k < taken,
+                (params, inner_state, model_state),
+                (c.params, c.inner_state, c.model_state),
             )
         params = constrain(params, specs.params)
         inner_state = constrain(inner_state, specs.inner_state)
-        outer_state = constrain(c.outer_state, specs.outer_state)
-        return c._replace(params=params, inner_state=inner_state, outer_state=outer_state), loss
+        if held:
+            outer_state = constrain(c.outer_state, specs.outer_state)
+        c = c._replace(
+            params=params, inner_state=inner_state, outer_state=outer_state,
+            model_state=model_state,
+        )  # fmt: skip
+        return c, (loss, aux)
 
     return step

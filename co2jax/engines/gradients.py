@@ -14,6 +14,10 @@ and reduces the gradient into their layout, ``loss_fn`` taking the replica's who
 
 Either way ``loss_fn(params, batch)`` is a mean over the examples it is given, so the step's
 loss and gradient are those of the replica's whole batch of the step.
+
+A model with non-parameter state (batch statistics, RNG keys: ``model_state``) takes the
+replica's whole batch too, so its statistics and random draws are those of the whole batch,
+the same at every layout.
 """
 
 from __future__ import annotations
@@ -26,19 +30,25 @@ from jax.sharding import PartitionSpec as P
 from co2jax.axes import DATA
 
 
-def value_and_grad(loss_fn, params: Any, batch: Any, by_slices: bool, check_vma: bool = True):
-    """``(loss, grads)`` of ``loss_fn`` at ``params`` on ``batch`` (the replica's
-    ``[B, ...]`` leaves, inside its replica-manual program): with ``by_slices`` each
-    ``data`` device's slice, averaged over ``data``; otherwise the whole batch."""
+def value_and_grad(
+    loss_fn, params: Any, batch: Any, by_slices: bool, check_vma: bool = True, model_state=()
+):
+    """``((loss, (aux, model_state)), grads)`` of ``loss_fn(params, batch, model_state) ->
+    (loss, (aux, model_state))`` at ``params`` on ``batch`` (the replica's ``[B, ...]``
+    leaves, inside its replica-manual program): with ``by_slices`` and no ``model_state``,
+    each ``data`` device's slice, the loss, gradients and ``aux`` (means over the examples,
+    like the loss) averaged over ``data``; otherwise the whole batch."""
     mesh = jax.sharding.get_abstract_mesh()
-    if not by_slices or mesh.empty or mesh.shape.get(DATA, 1) == 1:
-        return jax.value_and_grad(loss_fn)(params, batch)
+    whole = not by_slices or bool(jax.tree.leaves(model_state))
+    if whole or mesh.empty or mesh.shape.get(DATA, 1) == 1:
+        return jax.value_and_grad(loss_fn, has_aux=True)(params, batch, model_state)
 
     def per_slice(p, b):
         # the parameters enter data-invariant: marked varying, grad gives this slice's
         p = jax.lax.pcast(p, DATA, to="varying")
-        loss, grads = jax.value_and_grad(loss_fn)(p, b)
-        return jax.lax.pmean(loss, DATA), jax.lax.pmean(grads, DATA)
+        (loss, (aux, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, b, ())
+        mean = lambda t: jax.lax.pmean(t, DATA)
+        return (mean(loss), (mean(aux), ())), mean(grads)
 
     return jax.shard_map(
         per_slice,

@@ -68,12 +68,16 @@ class TrainState(NamedTuple):
       outer_state: the outer optimizer's state. Its replica-invariant fields hold R equal
         copies along the leading axis, one per replica group, which is where they live anyway.
       round: [R] int32, rounds completed.
+      model_state: each replica's model state that is not parameters (an nnx model's
+        ``BatchStat`` statistics, RNG keys and counts, counters; ``()`` for none): carried
+        from step to step and round to round, never averaged or touched by the outer step.
     """
 
     params: optax.Params
     inner_state: optax.OptState
     outer_state: Any
     round: jax.Array
+    model_state: Any = ()
 
 
 class RoundMetrics(NamedTuple):
@@ -88,12 +92,15 @@ class RoundMetrics(NamedTuple):
         earlier round's payload).
       bytes_communicated: [R] bytes this replica sent over the replica axis this round (each
         reducer's ``wire_bytes``).
+      aux: the loss function's auxiliary outputs (``has_aux``), each leaf ``[R, H, ...]``
+        (``{}`` without).
     """
 
     loss: jax.Array
     pseudo_gradient_norm: jax.Array
     cosine_to_mean: jax.Array
     bytes_communicated: jax.Array
+    aux: Any = ()
 
 
 class RoundTrainer:
@@ -104,7 +111,13 @@ class RoundTrainer:
         ``batch`` (``[b, ...]`` leaves): each ``data`` device takes the gradient on its slice
         of the replica's batch of the step and the slices' gradients are averaged (under
         FSDP the compiler splits the whole batch); either way, the whole batch's mean
-        (:mod:`co2jax.engines.gradients`).
+        (:mod:`co2jax.engines.gradients`). With ``has_aux`` it returns ``(loss, aux)``,
+        ``aux`` a pytree of means over the examples (accuracy, ...), reported per step in
+        :attr:`RoundMetrics.aux`. A model with state that is not parameters
+        (:meth:`init`'s ``model_state``; :class:`co2jax.NnxModel` builds all of this from an
+        ``nnx.Module``) has ``loss_fn(params, batch, model_state) -> (loss, model_state)``,
+        or ``(loss, (aux, model_state))`` with ``has_aux``; its step takes the replica's
+        whole batch (the compiler splits it over ``data``).
       inner: the inner optax transform (any: it sees whole tensors at every layout).
       outer: an :class:`~co2jax.OuterOptimizer`.
       mesh: a mesh with ``"replica"`` and ``"data"`` axes, and optionally ``"model"`` (see
@@ -132,6 +145,11 @@ class RoundTrainer:
         for it (compiled kernels are).
       exclude_nonfinite: leave a replica whose payload has a NaN or an Inf out of that
         reduction (its weight 0, :mod:`co2jax.comm.participation`) instead of averaging it.
+      offload_outer_state: keep the outer state (anchor, momentum, payloads in flight,
+        error-feedback residuals) in host memory (``memory_kind="pinned_host"``), moved to
+        the accelerator for each outer send and apply and back after: the accelerator
+        holds it only around the outer step (:class:`~co2jax.engines.execute.RoundDriver`).
+        The same values; each round moves the outer state in and out once per send/apply.
       split_payload: each chunk of a spread transfer is split over the replica's devices,
         each sending its slice over the replica axis (the replica sends its payload once:
         :func:`co2jax.comm.policy.chunk_shards`). ``False``: every device sends the whole
@@ -160,6 +178,8 @@ class RoundTrainer:
         check_vma: bool = True,
         exclude_nonfinite: bool = False,
         split_payload: bool = True,
+        has_aux: bool = False,
+        offload_outer_state: bool = False,
     ):
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got loss_fn={loss_fn!r}")
@@ -190,6 +210,8 @@ class RoundTrainer:
         self._check_vma = bool(check_vma)
         self.exclude_nonfinite = bool(exclude_nonfinite)
         self.split_payload = check_flag("split_payload", split_payload)
+        self.has_aux = check_flag("has_aux", has_aux)
+        self.offload_outer_state = check_flag("offload_outer_state", offload_outer_state)
         self._programs: dict = {}
         self._inits: dict = {}
         self._specs: dict = {}
@@ -225,31 +247,45 @@ class RoundTrainer:
             full(specs.inner_state, state.inner_state),
             full(specs.outer_state, state.outer_state),
             P(REPLICA),
+            jax.tree.map(lambda _: P(REPLICA), state.model_state),
         )
 
     def _shardings(self, specs):
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
 
-    def _init_unplaced(self, params: optax.Params) -> TrainState:
-        stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.replicas, *x.shape)), params)
+    def _state_shardings(self, specs: TrainState) -> TrainState:
+        """The state's shardings: the outer state's in host memory when offloaded."""
+        shardings = self._shardings(specs)
+        if not self.offload_outer_state:
+            return shardings
+        host = lambda s: s.with_memory_kind("pinned_host")
+        return shardings._replace(outer_state=jax.tree.map(host, shardings.outer_state))
+
+    def _init_unplaced(self, params: optax.Params, model_state: Any = ()) -> TrainState:
+        stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (self.replicas, *x.shape)), t)
+        stacked = stack(params)
         per_replica = lambda init: jax.vmap(init, axis_name=REPLICA)(stacked)
         return TrainState(
             stacked,
             per_replica(self.inner.init),
             per_replica(self.outer.init),
             jnp.zeros((self.replicas,), jnp.int32),
+            replica_keys(stack(model_state)),
         )
 
-    def abstract_state(self, params: optax.Params) -> TrainState:
+    def abstract_state(self, params: optax.Params, model_state: Any = ()) -> TrainState:
         """``jax.ShapeDtypeStruct`` leaves with shardings: for AOT compilation and memory."""
-        shapes = jax.eval_shape(self._init_unplaced, params)
-        shardings = self._shardings(self.state_specs(shapes))
+        shapes = jax.eval_shape(self._init_unplaced, params, model_state)
+        shardings = self._state_shardings(self.state_specs(shapes))
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
         )
 
-    def init(self, params: optax.Params) -> TrainState:
-        """Every replica starts from ``params`` (one replica's parameters, no leading axis)."""
+    def init(self, params: optax.Params, model_state: Any = ()) -> TrainState:
+        """Every replica starts from ``params`` (one replica's parameters, no leading axis)
+        and ``model_state`` (its state that is not parameters, :attr:`TrainState.model_state`;
+        every typed PRNG key in it gets the replica's index folded in, so replicas draw
+        different dropout masks)."""
         for path, x in jax.tree_util.tree_leaves_with_path(params):
             spec = getattr(getattr(x, "sharding", None), "spec", ())
             if any(REPLICA in (e if isinstance(e, tuple) else (e,)) for e in spec):
@@ -258,12 +294,12 @@ class RoundTrainer:
                     f"{jax.tree_util.keystr(path)} is split over {REPLICA!r} ({spec}): pass "
                     "one replica's copy (e.g. jax.tree.map(lambda x: x[0], state.params))"
                 )
-        key = shapes_key(params)
+        key = shapes_key((params, model_state))
         if key not in self._inits:  # one program per parameter shapes: a new seed reuses it
-            abstract = jax.eval_shape(self._init_unplaced, params)
-            shardings = self._shardings(self.state_specs(abstract))
+            abstract = jax.eval_shape(self._init_unplaced, params, model_state)
+            shardings = self._state_shardings(self.state_specs(abstract))
             self._inits[key] = jax.jit(self._init_unplaced, out_shardings=shardings)
-        return self._inits[key](params)
+        return self._inits[key](params, model_state)
 
     # ------------------------------------------------------------------------------------
     # validation
@@ -272,32 +308,72 @@ class RoundTrainer:
         """Raises ``ValueError`` unless every batch leaf is ``[replica, H, B, ...]``, D | B,
         and ``loss_fn`` returns a scalar on what it is handed
         (:func:`co2jax.engines.batches.check_batch`)."""
-        args = self.replicas, self.sync_every, self.data, self.loss_fn, self._checked
-        check_batch(state.params, batch, *args, slices=1 if self.fsdp else self.data)
+        stateful = bool(jax.tree.leaves(state.model_state))
+        loss = lambda p, b, *m: self.engine_loss(p, b, *m)[0]
+        args = self.replicas, self.sync_every, self.data, loss, self._checked
+        whole = self.fsdp or stateful  # such a step takes the replica's whole batch
+        slices = 1 if whole else self.data
+        check_batch(state.params, batch, *args, slices=slices, model_state=state.model_state)
+
+    def engine_loss(self, params, batch, model_state=()):
+        """``loss_fn`` as the step calls it: ``(loss, (aux, model_state))`` (``aux`` ``{}``
+        without ``has_aux``; ``model_state`` ``()`` for a model without one)."""
+        stateful = bool(jax.tree.leaves(model_state))
+        out = self.loss_fn(params, batch, model_state) if stateful else self.loss_fn(params, batch)
+        if not (self.has_aux or stateful):
+            return out, ({}, ())
+        form = "(loss, (aux, model_state))" if self.has_aux and stateful else (
+            "(loss, aux)" if self.has_aux else "(loss, model_state)"
+        )  # fmt: skip
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(f"loss_fn must return {form}, got {_described(out)}")
+        loss, rest = out
+        if self.has_aux and stateful:
+            if not (isinstance(rest, tuple) and len(rest) == 2):
+                raise ValueError(f"loss_fn must return {form}, got (loss, {_described(rest)})")
+            return loss, rest
+        return (loss, (rest, ())) if self.has_aux else (loss, ({}, rest))
 
     # ------------------------------------------------------------------------------------
     # the round
 
-    def _body(self, plan: RoundPlan, specs: Specs, params, inner, outer, rnd, batch, part):
+    def _body(self, plan: RoundPlan, specs: Specs, params, inner, outer, rnd, model, batch, part):
         weight, taken = part
         reducers = plan.reducers
         if weight is not None or self.exclude_nonfinite:
             w = jnp.float32(1) if weight is None else weight
             reducers = tuple(weighted(r, w, REPLICA, self.exclude_nonfinite) for r in reducers)
-        step = inner_step(self.loss_fn, self.inner, specs, taken, not self.fsdp, self._check_vma)
-        driver = RoundDriver(self.outer, plan.walk, reducers, step, batch, specs, plan.shards)
+        step = inner_step(
+            self.engine_loss, self.inner, specs, taken, not self.fsdp, self._check_vma
+        )
+        driver = RoundDriver(
+            self.outer,
+            plan.walk,
+            reducers,
+            step,
+            batch,
+            specs,
+            plan.shards,
+            self.offload_outer_state,
+        )
         count = len(plan.transfers)
         sums = varying_like(jnp.zeros((count, 3)), jax.lax.axis_index(REPLICA))
-        carry = walker.run(plan.walk, driver, Carry(params, inner, outer, sums, ((),) * count))
+        start = Carry(params, inner, outer, sums, ((),) * count, model)
+        carry = walker.run(plan.walk, driver, start)
         if self.outer.recovers_nonfinite:
             carry = carry._replace(inner_state=self._reset_nonfinite(carry))
         norm, cos = jnp.float32(0), jnp.float32(0)
         if count:
             norm, cos = jnp.sqrt(jnp.sum(carry.sums[:, 0])), jnp.mean(cosine(carry.sums))
         metrics = RoundMetrics(
-            jnp.concatenate(driver.losses), norm, cos, jnp.float32(plan.wire_bytes)
+            jnp.concatenate(driver.losses),
+            norm,
+            cos,
+            jnp.float32(plan.wire_bytes),
+            driver.step_aux(),
         )
-        return carry.params, carry.inner_state, carry.outer_state, rnd + 1, metrics
+        state = carry.params, carry.inner_state, carry.outer_state, rnd + 1, carry.model_state
+        return *state, metrics
 
     def _reset_nonfinite(self, c: Carry):
         """The inner state, or ``inner.init`` of the parameters where it is not finite
@@ -344,14 +420,17 @@ class RoundTrainer:
         if key in self._programs:
             return self._programs[key]
         plan, specs = self._plan(state)
-        out_shardings = (self._shardings(self.state_specs(state)), self._shardings(METRIC_SPECS))
+        out_shardings = (
+            self._state_shardings(self.state_specs(state)),
+            self._shardings(METRIC_SPECS),
+        )
         body = replica_map(
-            lambda p, i, o, r, b, w: self._body(plan, specs, p, i, o, r, b, w),
+            lambda p, i, o, r, m, b, w: self._body(plan, specs, p, i, o, r, m, b, w),
             self.mesh,
             check_vma=self._check_vma,
         )
         fn = jax.jit(
-            lambda s, b, w=(None, None): (lambda *o: (TrainState(*o[:4]), o[4]))(*body(*s, b, w)),
+            lambda s, b, w=(None, None): (lambda *o: (TrainState(*o[:5]), o[5]))(*body(*s, b, w)),
             out_shardings=(TrainState(*out_shardings[0]), out_shardings[1]),
             donate_argnums=(0,) if self._donate else (),
         )
@@ -396,7 +475,25 @@ class RoundTrainer:
         return self.program(state).fn.lower(state, batch)
 
 
-METRIC_SPECS = RoundMetrics(P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA))
+METRIC_SPECS = RoundMetrics(P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA))
+
+
+def replica_keys(model_state: Any) -> Any:
+    """``model_state`` (leaves ``[R, ...]``) with replica r's typed PRNG keys folded with r:
+    each replica draws its own random numbers from the same seed."""
+
+    def fold(x):
+        if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return x
+        return jax.vmap(jax.random.fold_in)(x, jnp.arange(x.shape[0], dtype=jnp.uint32))
+
+    return jax.tree.map(fold, model_state)
+
+
+def _described(x: Any) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"an array of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"
 
 
 def _is_spec(x: Any) -> bool:
