@@ -119,6 +119,17 @@ def median(xs) -> float:
     return statistics.median(xs)
 
 
+def device_bytes(stats) -> int:
+    """What a compiled program needs on a device, from ``memory_analysis()``: arguments +
+    outputs - aliased + temporaries."""
+    return (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes
+    )
+
+
 def fmt_bytes(n: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:

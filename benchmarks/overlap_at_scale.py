@@ -102,12 +102,7 @@ def compile_round(outer, mesh, shapes, d_model, shard, steps=H, **kw):
     compiled = trainer.lower(state, batch).compile()
     seconds = time.process_time() - began
     mem = compiled.memory_analysis()
-    total = (
-        mem.argument_size_in_bytes
-        + mem.output_size_in_bytes
-        - mem.alias_size_in_bytes
-        + mem.temp_size_in_bytes
-    )
+    total = C.device_bytes(mem)
     text = compiled.as_text()
     program = trainer.program(state)
     flights = co2jax.hlo.flights(text, mesh, "replica")

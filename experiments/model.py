@@ -68,6 +68,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     rope_base: float = 10000.0
     tie_embeddings: bool = True
+    remat: bool = False  # recompute each block's activations in the backward pass
 
     def __post_init__(self):
         for field in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
@@ -279,7 +280,10 @@ class Transformer(nnx.Module):
         positions_L = jnp.arange(L)
         x_BxLxD = self.embed(tokens_BxL)
         for block in self.blocks:
-            x_BxLxD = block(x_BxLxD, positions_L)
+            if self.config.remat:  # keep only the block's input; the same values
+                x_BxLxD = nnx.remat(_apply_block)(block, x_BxLxD, positions_L)
+            else:
+                x_BxLxD = block(x_BxLxD, positions_L)
         x_BxLxD = self.final_norm(x_BxLxD)
         tied = self.config.tie_embeddings
         w_DxV = self.embed.embedding[...].T if tied else self.head.kernel[...]
@@ -287,6 +291,10 @@ class Transformer(nnx.Module):
         # Logits accumulate in float32 even for bf16 compute: the softmax over a large vocab
         # is where low precision hurts the loss most.
         return jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV, preferred_element_type=jnp.float32)
+
+
+def _apply_block(block, x_BxLxD: jax.Array, positions_L: jax.Array) -> jax.Array:
+    return block(x_BxLxD, positions_L)
 
 
 def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[[nnx.State, jax.Array], jax.Array]:

@@ -223,6 +223,7 @@ def model_config(cfg: config_lib.Config, vocab_size: int) -> model_lib.ModelConf
         vocab_size=vocab_size,
         max_seq_len=cfg.data.seq_len,
         dtype=cfg.model.dtype,
+        remat=cfg.model.remat,
         **overrides,
     )
     checks.tensor_parallel(cfg.mesh.model, mcfg)

@@ -615,3 +615,20 @@ def test_the_transformer_split_over_model_or_data_halves_its_bytes(layout, wide_
     split = argument_bytes(2, 2) if layout == "tp" else argument_bytes(4, 1, fsdp=True)
     want = 0.5 if layout == "tp" else 0.25
     assert want * 0.9 < split / whole < want * 1.15, (split, whole)
+
+
+def test_the_aot_command_says_whether_a_preset_fits(capsys):
+    """``python -m experiments.aot``: a preset's round compiled for a topology, its memory
+    per chip and whether it fits; a bad topology is one line."""
+    from experiments import aot
+
+    assert aot.main(["--preset", "micro", "--topology", "v5e:2x4"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh replica 4 x data 2 x model 1" in out and "fits in 16 GiB" in out, out
+    device = float(
+        next(ln for ln in out.splitlines() if ln.strip().startswith("device")).split()[1]
+    )
+    assert 0 < device < 1  # GiB: a tiny model
+    assert aot.main(["--preset", "micro", "--topology", "v5e:9x9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --topology v5e:9x9:") and "\n" not in err

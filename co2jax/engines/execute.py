@@ -28,10 +28,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from co2jax.axes import DATA
 from co2jax.comm import chunks
 from co2jax.comm.reducer import values
 from co2jax.engines import gradients
-from co2jax.engines.layout import constrain
+from co2jax.engines.layout import constrain, without
 from co2jax.engines.program import split_over
 from co2jax.engines.walk import Segment, Walk
 from co2jax.protocol import OuterOptimizer
@@ -231,9 +232,15 @@ def inner_step(
             inner_state=constrain(c.inner_state, specs.inner_state),
             outer_state=outer_state,
         )
+        params = c.params
+        if not by_slices:  # FSDP: each parameter gathered over data for the step (the batch
+            # and its activations stay split), its gradient scattered back where it lies
+            params = constrain(params, without(specs.params, DATA))
         (loss, (aux, model_state)), grads = gradients.value_and_grad(
-            loss_fn, c.params, batch, by_slices, check_vma, c.model_state
+            loss_fn, params, batch, by_slices, check_vma, c.model_state
         )
+        if not by_slices:
+            grads = constrain(grads, specs.params)
         updates, inner_state = inner.update(grads, c.inner_state, c.params)
         params = optax.apply_updates(c.params, updates)
         if taken is not None:  # a replica with fewer steps this round holds after them

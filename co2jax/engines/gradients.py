@@ -9,8 +9,10 @@ a model that scans over its layers is reduced layer by layer inside the backward
 XLA:TPU then kept 2.2x the temporary memory of this round (100M parameters, v5e 2x4,
 ``docs/architecture.md``).
 
-Under FSDP the parameters are split over ``data``; the compiler gathers them for the step
-and reduces the gradient into their layout, ``loss_fn`` taking the replica's whole batch.
+Under FSDP the parameters are split over ``data``; the step gathers them (the caller,
+:func:`co2jax.engines.execute.inner_step`, constrains them whole over ``data`` and the
+gradient back into their layout) and ``loss_fn`` takes the replica's whole batch, held split
+over ``data`` so that the activations stay split with it.
 
 Either way ``loss_fn(params, batch)`` is a mean over the examples it is given, so the step's
 loss and gradient are those of the replica's whole batch of the step.
@@ -40,7 +42,10 @@ def value_and_grad(
     like the loss) averaged over ``data``; otherwise the whole batch."""
     mesh = jax.sharding.get_abstract_mesh()
     whole = not by_slices or bool(jax.tree.leaves(model_state))
-    if whole or mesh.empty or mesh.shape.get(DATA, 1) == 1:
+    if mesh.empty or mesh.shape.get(DATA, 1) == 1:
+        return jax.value_and_grad(loss_fn, has_aux=True)(params, batch, model_state)
+    if whole:  # the examples stay split over data: the activations with them
+        batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P(DATA)), batch)
         return jax.value_and_grad(loss_fn, has_aux=True)(params, batch, model_state)
 
     def per_slice(p, b):

@@ -225,6 +225,18 @@ def _cut(x, spec: P, axis: str, n: int):
     return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
 
 
+def without(specs: Any, axis: str) -> Any:
+    """``specs`` with ``axis`` taken out of every entry: where FSDP's parameters are
+    gathered for a step (split over ``model`` still, whole over ``data``)."""
+
+    def drop(spec: P | None) -> P | None:
+        if spec is None:
+            return None
+        return _spec([tuple(a for a in e if a != axis) for e in _entries(spec, len(spec))])
+
+    return jax.tree.map(drop, specs, is_leaf=_is_spec)
+
+
 def constrain(tree: Any, specs: Any) -> Any:
     """``tree`` held where ``specs`` say inside the replica's manual region (a sharding
     constraint: the compiler moves data to keep it, the values are unchanged)."""

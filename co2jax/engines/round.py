@@ -110,10 +110,10 @@ class RoundTrainer:
       loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over the examples of
         ``batch`` (``[b, ...]`` leaves): each ``data`` device takes the gradient on its slice
         of the replica's batch of the step and the slices' gradients are averaged (under
-        FSDP the compiler splits the whole batch); either way, the whole batch's mean
-        (:mod:`co2jax.engines.gradients`). With ``has_aux`` it returns ``(loss, aux)``,
-        ``aux`` a pytree of means over the examples (accuracy, ...), reported per step in
-        :attr:`RoundMetrics.aux`. A model with state that is not parameters
+        FSDP the step gathers the parameters and keeps the batch split); either way, the
+        whole batch's mean (:mod:`co2jax.engines.gradients`). With ``has_aux`` it returns
+        ``(loss, aux)``, ``aux`` a pytree of means over the examples (accuracy, ...),
+        reported per step in :attr:`RoundMetrics.aux`. A model with state that is not parameters
         (:meth:`init`'s ``model_state``; :class:`co2jax.NnxModel` builds all of this from an
         ``nnx.Module``) has ``loss_fn(params, batch, model_state) -> (loss, model_state)``,
         or ``(loss, (aux, model_state))`` with ``has_aux``; its step takes the replica's
