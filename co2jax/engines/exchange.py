@@ -166,6 +166,12 @@ class Pending:
     def settled(self, replicas: int) -> bool:
         return len(self.got) + len(self.failed) >= replicas
 
+    def arrived(self) -> dict[int, list]:
+        """A copy of ``got`` taken under the lock: the pull threads keep adding to it, so
+        anything that iterates over the arrived payloads iterates over this."""
+        with self.cond:
+            return dict(self.got)
+
 
 class Exchange:
     """The outer exchange between R jobs: every job's payload reaches every other job.

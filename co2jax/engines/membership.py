@@ -149,13 +149,14 @@ class Membership:
                 continue
             if candidate == me:
                 mask = np.full(2 * R, OUT, np.int32)
-                mask[sorted(pending.got)] = IN
+                arrived_now = pending.arrived()  # the pull threads keep adding to it
+                mask[sorted(arrived_now)] = IN
                 if late is not None:
                     with late[0].cond:
                         arrived = [r for r in late[1] if r in late[0].got]
                     mask[[R + r for r in arrived]] = IN
                 if round_end:
-                    for rank in set(self._greeted) - set(pending.got):
+                    for rank in set(self._greeted) - set(arrived_now):
                         mask[rank] = ADMITTED
                 if int(np.sum(mask[:R] == IN)) < quorum:
                     raise PeerError(

@@ -323,7 +323,7 @@ class JobTrainer:
         pending = self.exchange.start(step, [value], label)
         if self.peers.tolerant:  # every job of the last exchange's set (they are alive)
             self.exchange.wait(pending, until=self.membership.participants)
-            return {r: np.asarray(v[0])[0] for r, v in pending.got.items()}
+            return {r: np.asarray(v[0])[0] for r, v in pending.arrived().items()}
         return {r: np.asarray(v[0])[0] for r, v in enumerate(self.exchange.finish(pending))}
 
     # the round ------------------------------------------------------------------------
