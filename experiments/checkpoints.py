@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grain
 import jax
 import numpy as np
 
@@ -51,6 +52,18 @@ def digest(state: Any) -> dict:
     return {"sha256": whole, "leaves": per_leaf}
 
 
+def _digest_mismatch(found: dict, recorded: dict) -> str:
+    """What differs between a state's digest and the recorded one, in one line."""
+    have, want = found["leaves"] or [], recorded.get("leaves") or []
+    if len(have) != len(want):
+        return f"{len(have)} leaves where the digest records {len(want)}"
+    bad = [i for i, (a, b) in enumerate(zip(have, want, strict=True)) if a != b]
+    if not bad:  # every leaf matches: the recorded whole-state digest itself is damaged
+        return "the recorded digest of the whole state is damaged (every leaf matches)"
+    shown = ", ".join(str(i) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
+    return f"{len(bad)} of {len(have)} leaves differ from their recorded digest (leaves {shown})"
+
+
 class CheckpointError(RuntimeError):
     """No kept checkpoint could be restored."""
 
@@ -62,31 +75,46 @@ class Checkpoints:
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
+        handlers = {  # every item's handler: a restore of some items knows the others
+            "state": ocp.StandardCheckpointHandler(),
+            "digest": ocp.JsonCheckpointHandler(),
+            "run": ocp.JsonCheckpointHandler(),
+            "data": grain.checkpoint.CheckpointHandler(),
+        }
         self.manager = ocp.CheckpointManager(
             Path(directory).absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=keep),
+            item_handlers=handlers,
         )
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state: Any, data: Any = None) -> None:
+    def save(self, step: int, state: Any, data: Any = None, run: dict | None = None) -> None:
         """Saves ``state`` and its digest at ``step`` (and the Grain iterator ``data``'s
-        state, when given) and waits until all are written."""
+        state, and ``run``, the run's identity, when given) and waits until all are
+        written."""
         ocp = self._ocp
         items = dict(state=ocp.args.StandardSave(state), digest=ocp.args.JsonSave(digest(state)))
+        if run is not None:
+            items["run"] = ocp.args.JsonSave(run)
         if data is not None:
-            import grain
-
             items["data"] = grain.checkpoint.CheckpointSave(data)
         self.manager.save(step, args=ocp.args.Composite(**items))
         self.manager.wait_until_finished()
 
+    def run_of(self, step: int) -> dict | None:
+        """The identity of the run that saved ``step`` (None for a checkpoint without one)."""
+        if "run" not in self.manager.item_metadata(step):
+            return None
+        restored = self.manager.restore(
+            step, args=self._ocp.args.Composite(run=self._ocp.args.JsonRestore())
+        )
+        return restored["run"]
+
     def restore_data(self, step: int, iterator: Any) -> bool:
         """Sets the Grain ``iterator`` to the state saved at ``step``; False (iterator
         untouched) when that checkpoint holds none."""
-        import grain
-
         if "data" not in self.manager.item_metadata(step):
             return False
         args = self._ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(iterator))
@@ -105,8 +133,7 @@ class Checkpoints:
         if recorded["sha256"] is not None:
             found = digest(state)
             if found["sha256"] != recorded["sha256"]:
-                bad = sum(a != b for a, b in zip(found["leaves"], recorded["leaves"], strict=False))
-                raise CheckpointError(f"{bad} leaves differ from their recorded digest")
+                raise CheckpointError(_digest_mismatch(found, recorded))
         return state
 
     def restore(self, target: Any) -> tuple[int | None, Any]:

@@ -48,7 +48,8 @@ from co2jax.algorithms import registry
 from experiments import checks, study_reports, study_run, train
 from experiments import config as config_lib
 from experiments import model as model_lib
-from experiments.report import exit_status, progress_line, write_atomic, write_report
+from experiments.report import exit_status, progress_line, write_report
+from experiments.rundir import write_atomic
 from experiments.studies import STUDIES
 from experiments.sweep_rows import (
     ABLATIONS,

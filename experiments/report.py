@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import config as config_lib
+from experiments.rundir import write_atomic
 from experiments.sweep_rows import Link
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,17 +123,6 @@ PLOTS = [
         False,
     ),
 ]
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Writes a temporary sibling, then renames it: an interrupted write keeps the old file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    if isinstance(data, bytes):
-        tmp.write_bytes(data)
-    else:
-        tmp.write_text(data)
-    os.replace(tmp, path)
 
 
 def progress_line(row: dict, seeds: int) -> str:

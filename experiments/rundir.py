@@ -24,11 +24,14 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import signal
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +117,28 @@ class Writers:
             self.tb_tokens.close()
 
 
+RUN_FILE = "run.json"
+"""The run directory's identity (:func:`identity`), next to ``config.json``."""
+
+
+def replace_synced(tmp: Path, path: Path) -> None:
+    """Flushes ``tmp`` to the disk, then renames it over ``path``: a kill at any point leaves
+    the old file or the new one, whole."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Writes ``data`` to a temporary sibling and :func:`replace_synced` it over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode())
+    replace_synced(tmp, path)
+
+
 class RunError(ValueError):
     """A run that cannot start as asked (its directory, its resume), raised before compute."""
 
@@ -144,9 +169,78 @@ def diff(stored: dict, wanted: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def claim(cfg: config_lib.Config, out: Path, resume: bool, overwrite: bool) -> None:
+TRAJECTORY = ("model", "data", "inner", "outer", "train.seed", "train.sync_every",
+              "train.rounds", "mesh.replica")  # fmt: skip
+"""The config fields that change a run's values (the layouts, logging, evaluation and
+checkpointing do not)."""
+
+
+def trajectory(cfg: config_lib.Config) -> dict:
+    """The :data:`TRAJECTORY` fields of ``cfg``, as a dict of sections."""
+    whole, out = json.loads(config_lib.to_json(cfg)), {}
+    for name in TRAJECTORY:
+        section, _, field = name.partition(".")
+        if field:
+            out.setdefault(section, {})[field] = whole[section][field]
+        else:
+            out[section] = whole[section]
+    return out
+
+
+def identity(cfg: config_lib.Config, run_id: str) -> dict:
+    """What each checkpoint records of its run: ``run_id``, the trajectory fields and their
+    SHA-256 (``digest``)."""
+    fields = trajectory(cfg)
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+    return {"run_id": run_id, "digest": digest, "trajectory": fields}
+
+
+def run_id(out: Path, resume: bool) -> tuple[str, bool]:
+    """``(id, known)``: the run directory's id (``run.json``) when resuming one that has it,
+    else a new one (``known`` False: the checkpoint's run is adopted if it is the same)."""
+    path = out / RUN_FILE
+    if resume and path.exists():
+        try:
+            return str(json.loads(path.read_text())["run_id"]), True
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a torn or foreign file: treated as absent
+    return uuid.uuid4().hex[:12], False
+
+
+def check_identity(
+    stored: dict | None, mine: dict, known: bool, where: str, allow_change: bool
+) -> dict:
+    """The identity the resumed run carries on: refuses (:class:`RunError`, one line naming the
+    differing fields) a checkpoint of another run, or of this run under changed trajectory
+    fields, unless ``allow_change`` (a deliberate continuation: the run keeps its own id and
+    says what changed). A checkpoint without an identity (an older one) is accepted."""
+    if stored is None or not isinstance(stored, dict):
+        return mine
+    changed = diff(stored.get("trajectory", {}), mine["trajectory"])
+    other = known and stored.get("run_id") != mine["run_id"]
+    if not (changed or other):
+        return {**mine, "run_id": stored.get("run_id", mine["run_id"])}
+    fields = f"another config ({'; '.join(changed)})"
+    if other:
+        what = f"run {stored.get('run_id')}'s checkpoints, not this run's ({mine['run_id']})"
+        what += f", written under {fields}" if changed else ""
+    else:
+        what = f"checkpoints written under {fields}"
+    if not allow_change:
+        raise RunError(
+            f"--resume: {where} holds {what}: pass --allow-config-change to continue them "
+            "deliberately"
+        )
+    print(f"warning: --allow-config-change: {where} holds {what}; continuing", file=sys.stderr)
+    return mine
+
+
+def claim(
+    cfg: config_lib.Config, out: Path, resume: bool, overwrite: bool, allow_change: bool = False
+) -> None:
     """Checks that ``out`` (and the checkpoint dir) may hold this run, before anything is
-    written: one config owns a run directory."""
+    written: one config owns a run directory (``allow_change``: a resumed run may change
+    it)."""
     ckpt = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
     if resume and overwrite:
         raise RunError("--resume and --overwrite: choose one")
@@ -154,12 +248,13 @@ def claim(cfg: config_lib.Config, out: Path, resume: bool, overwrite: bool) -> N
         if ckpt is None:
             raise RunError("--resume: checkpoint.dir is not set, so there is nothing to resume")
         stored = out / "config.json"
-        if stored.exists():
+        if stored.exists() and not allow_change:
             wanted = json.loads(config_lib.to_json(cfg))
             changed = diff(json.loads(stored.read_text()), wanted)
             if changed:  # train.rounds too: the learning-rate schedule spans the rounds
                 raise RunError(
-                    f"--resume: {out} holds a run with another config ({'; '.join(changed)})"
+                    f"--resume: {out} holds a run with another config ({'; '.join(changed)}):"
+                    " pass --allow-config-change to continue it under this one"
                 )
         return
     used = [p for p in (out, ckpt) if p is not None and p.exists() and any(p.iterdir())]
@@ -218,5 +313,5 @@ def kept_records(path: Path, start: int) -> list[dict]:
             continue  # a half-written line
         if record.get("round", 0) <= start:
             kept.append(record)
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     return kept

@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from experiments.rundir import replace_synced
 from experiments.sources import FORMAT, VERSION, resolve_paths, sidecar_path
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
@@ -186,12 +187,6 @@ def _encoded(tokenizer: Tokenizer, files: list[Path], eos: int | None) -> Iterat
             yield ids + ([] if eos is None else [eos])
 
 
-def _replace(tmp: Path, path: Path) -> None:
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def tokenize_corpus(
     corpus: Sequence[str | os.PathLike],
     output: str | os.PathLike,
@@ -214,7 +209,7 @@ def tokenize_corpus(
         saved = Path(f"{output}.tokenizer.json")
         tmp = saved.with_name(saved.name + ".tmp")
         trained.save(str(tmp))
-        _replace(tmp, saved)
+        replace_synced(tmp, saved)
         tok = _from_hf(trained, str(saved))
     else:
         tok = load_tokenizer(tokenizer)
@@ -243,8 +238,8 @@ def tokenize_corpus(
     side = sidecar_path(output)
     side_tmp = side.with_name(side.name + ".tmp")
     side_tmp.write_text(json.dumps(info, indent=1) + "\n")
-    _replace(tmp, output)
-    _replace(side_tmp, side)
+    replace_synced(tmp, output)
+    replace_synced(side_tmp, side)
     return info | {"skipped": skipped}
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import shlex
@@ -285,6 +286,7 @@ def train_validated(
     out_dir: str | None = None,
     stop_after: int | None = None,
     progress: str | None = None,
+    allow_config_change: bool = False,
 ) -> Result:
     """Runs ``cfg``, validated where it was loaded (:func:`experiments.checks.load`, or a
     sweep's plan); returns the per-round records and the final state.
@@ -299,12 +301,17 @@ def train_validated(
     Refused before anything is written (:class:`RunError`): a run directory or checkpoint
     directory holding another run (unless ``resume`` or ``overwrite``), ``resume`` without
     ``checkpoint.dir``, ``resume`` with a config that differs from the stored one in any field
-    (``train.rounds`` too: the schedules span the run). SIGINT/SIGTERM stop at the next
+    (``train.rounds`` too: the schedules span the run), ``resume`` of checkpoints another run
+    wrote or this run wrote under other trajectory fields (each checkpoint records its run's id
+    and those fields: :func:`experiments.rundir.identity`); ``allow_config_change`` lets a
+    resumed run continue under a changed config deliberately. SIGINT/SIGTERM stop at the next
     round boundary, after a checkpoint (:class:`Interrupted`); a non-finite training loss
     on every replica, or ``train.max_skipped`` rounds in a row skipped by the outer guard,
     stop the run (:class:`Diverged`)."""
     out = Path(out_dir or os.path.join(cfg.log.dir, cfg.name))
-    rundir.claim(cfg, out, resume, overwrite)
+    rundir.claim(cfg, out, resume, overwrite, allow_config_change)
+    run_id, known = rundir.run_id(out, resume)
+    me = rundir.identity(cfg, run_id)
     run = _build(cfg)
     trainer, streams, t = run.trainer, run.streams, cfg.train
 
@@ -316,6 +323,12 @@ def train_validated(
     )
     if resume and manager is not None and manager.steps():
         start, state = manager.restore(trainer.abstract_state(run.params))
+        try:  # whose checkpoints these are, before anything is written
+            where = f"checkpoint.dir={cfg.checkpoint.dir}"
+            me = rundir.check_identity(manager.run_of(start), me, known, where, allow_config_change)
+        except RunError:
+            manager.close()
+            raise
     # the data: a Grain iterator, positioned where the checkpoint's left it (older checkpoints
     # hold none: their round is the position)
     tokens = streams.iterator(start)
@@ -328,7 +341,8 @@ def train_validated(
                 f"{tokens.get_state()}, not at round {start}; the checkpoint is not this run's"
             )
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(config_lib.to_json(cfg))
+    rundir.write_atomic(out / "config.json", config_lib.to_json(cfg))
+    rundir.write_atomic(out / rundir.RUN_FILE, json.dumps(me, indent=1))
     previous = rundir.kept_records(out / "metrics.jsonl", start)
 
     R, H, B, L = streams.shape[0], streams.shape[1], streams.shape[2], streams.shape[3] - 1
@@ -428,7 +442,7 @@ def train_validated(
                         )
                 due = cfg.checkpoint.every and (k + 1) % cfg.checkpoint.every == 0
                 if manager is not None and (due or last or signals.signum is not None):
-                    manager.save(k + 1, state, data=tokens)
+                    manager.save(k + 1, state, data=tokens, run=me)
                     saved = k + 1
                 if signals.signum is not None and not last:
                     raise rundir.Interrupted(signals.signum, k + 1, saved)
@@ -483,6 +497,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: continue checkpoints written under another config or by another "
+        "run (a deliberate fine-tune or extension)",
+    )
+    parser.add_argument(
         "--overwrite",
         action="store_true",
         help="replace the run in log.dir/<name> and checkpoint.dir",
@@ -506,7 +526,14 @@ def main(argv: list[str] | None = None) -> None:
             co2jax.distributed.initialize()
         setup_devices(cfg)
         checks.check_devices(cfg, jax.device_count())
-        history = train_validated(cfg, resume=args.resume, overwrite=args.overwrite).history
+        if args.allow_config_change and not args.resume:
+            raise RunError("--allow-config-change: only with --resume")
+        history = train_validated(
+            cfg,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            allow_config_change=args.allow_config_change,
+        ).history
     except (config_lib.ConfigError, RunError) as e:
         if args.debug:
             raise

@@ -79,6 +79,68 @@ def test_resume_with_another_config_names_the_fields_and_writes_nothing(tmp_path
     assert _snapshot(tmp_path) == before
 
 
+def test_another_runs_checkpoints_are_refused_in_one_line(tmp_path, capsys):
+    """A run with another seed pointed at this run's checkpoint directory (its own log
+    directory) was restored silently; now each checkpoint records its run's id and trajectory
+    fields, and the resume is refused naming them, unless continued deliberately."""
+    train.train(_cfg(tmp_path, "train.rounds=3", "checkpoint.every=1"), stop_after=2)
+    stored = json.loads((_run_dir(tmp_path) / rundir.RUN_FILE).read_text())
+    assert stored["trajectory"]["train"]["seed"] == 0 and len(stored["run_id"]) == 12
+    other = _cfg(tmp_path, "train.rounds=3", "checkpoint.every=1", "train.seed=1", "name=b")
+    before = _snapshot(tmp_path)
+    with pytest.raises(train.RunError) as refused:
+        train.train(other, resume=True)
+    message = str(refused.value)
+    assert message.startswith("--resume: checkpoint.dir=") and "\n" not in message
+    assert "train.seed: 0 -> 1" in message and "--allow-config-change" in message
+    assert _snapshot(tmp_path) == before  # nothing written
+    # the same trajectory from another log directory: the checkpoints are its own run's
+    same = _cfg(tmp_path, "train.rounds=3", "checkpoint.every=1", "name=c")
+    assert [r["round"] for r in train.train(same, resume=True).history] == [3]
+    # deliberately: continues, says so, and the run carries its own identity on
+    longer = _cfg(tmp_path, "train.rounds=4", "checkpoint.every=1", "train.seed=1", "name=b")
+    deliberate = train.train(longer, resume=True, allow_config_change=True)
+    assert [r["round"] for r in deliberate.history] == [4]  # from the latest checkpoint (3)
+    assert "warning: --allow-config-change" in capsys.readouterr().err
+    mine = json.loads((tmp_path / "logs" / "b" / rundir.RUN_FILE).read_text())
+    assert mine["run_id"] != stored["run_id"] and mine["trajectory"]["train"]["seed"] == 1
+
+
+def test_a_resumed_run_refuses_checkpoints_of_another_run_id(tmp_path):
+    """The same config run twice (the second with --overwrite), and the first run's
+    checkpoints put back in place of the second's: not the second run's to continue."""
+    import shutil
+
+    cfg = _cfg(tmp_path, "train.rounds=2", "checkpoint.every=1")
+    train.train(cfg, stop_after=1)
+    first = json.loads((_run_dir(tmp_path) / rundir.RUN_FILE).read_text())["run_id"]
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "first-ckpt")
+    train.train(cfg, stop_after=1, overwrite=True)  # a new run: its own id
+    shutil.rmtree(tmp_path / "ckpt")
+    shutil.copytree(tmp_path / "first-ckpt", tmp_path / "ckpt")
+    with pytest.raises(train.RunError, match=rf"holds run {first}'s checkpoints, not this run's"):
+        train.train(cfg, resume=True)
+
+
+def test_allow_config_change_needs_resume(tmp_path, capsys):
+    with pytest.raises(SystemExit) as code:
+        train.main(["--preset", "micro", f"log.dir={tmp_path}", "--allow-config-change"])
+    assert code.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: --allow-config-change: only with --resume"
+
+
+def test_a_damaged_whole_digest_is_named_as_such():
+    state = {"w": np.ones(3, np.float32), "b": np.zeros(2, np.float32)}
+    found = checkpoints.digest(state)
+    damaged = {**found, "sha256": "0" * 64}
+    with pytest.raises(checkpoints.CheckpointError, match="every leaf matches"):
+        raise checkpoints.CheckpointError(checkpoints._digest_mismatch(found, damaged))
+    one = {**found, "leaves": [found["leaves"][0], "f" * 64]}
+    assert checkpoints._digest_mismatch(found, one) == (
+        "1 of 2 leaves differ from their recorded digest (leaves 1)"
+    )
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The final state of 3 rounds run straight (checkpointed every round): what every
