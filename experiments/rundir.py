@@ -269,10 +269,12 @@ def claim(
 
 class Signals:
     """SIGINT/SIGTERM set a flag the loop reads at the next round boundary (a second one
-    interrupts at once); handlers are installed only in the main thread."""
+    interrupts at once); handlers are installed only in the main thread. Entered again while
+    installed (the command installs them on its first line, the run enters them again), it
+    keeps the flag: a signal during start-up stops the run at its first round boundary."""
 
     def __init__(self):
-        self.signum, self._old = None, {}
+        self.signum, self._old, self._depth = None, {}, 0
 
     def _handle(self, signum, frame):
         if self.signum is not None:
@@ -281,14 +283,19 @@ class Signals:
         print(f"\n{signal.Signals(signum).name}: stopping after this round", file=sys.stderr)
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        self._depth += 1
+        if self._depth == 1 and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth:
+            return
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        self._old = {}
 
 
 def check_finite(rounds: int, loss: np.ndarray) -> None:

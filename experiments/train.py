@@ -287,6 +287,7 @@ def train_validated(
     stop_after: int | None = None,
     progress: str | None = None,
     allow_config_change: bool = False,
+    signals: rundir.Signals | None = None,
 ) -> Result:
     """Runs ``cfg``, validated where it was loaded (:func:`experiments.checks.load`, or a
     sweep's plan); returns the per-round records and the final state.
@@ -376,8 +377,10 @@ def train_validated(
     inner_lrs = np.asarray(jax.vmap(run.schedule)(np.arange(1, t.rounds + 1) * H))
     saved, skipped_run, last_skipped = (start or None), 0, round_stats.skipped(state) or 0
     try:
-        with rundir.Signals() as signals:
+        with signals or rundir.Signals() as signals:
             end = t.rounds if stop_after is None else min(t.rounds, stop_after)
+            if signals.signum is not None and start < end:  # during start-up: no round run
+                raise rundir.Interrupted(signals.signum, start, saved)
             for k in range(start, end):
                 began = time.perf_counter()
                 # drawn in Grain's thread while the previous round computed
@@ -516,6 +519,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("overrides", nargs="*", help="section.field=value (the fields below)")
     args = parser.parse_args(argv)
+    with rundir.Signals() as signals:  # from the start: a signal during start-up is kept
+        _run_command(args, signals)
+
+
+def _run_command(args: argparse.Namespace, signals: rundir.Signals) -> None:
+    """:func:`main` after its arguments are parsed, with the signal handlers installed."""
     try:
         cfg = checks.load(args.preset, args.overrides, args.config)  # the one validation
         if args.print_config:
@@ -533,6 +542,7 @@ def main(argv: list[str] | None = None) -> None:
             resume=args.resume,
             overwrite=args.overwrite,
             allow_config_change=args.allow_config_change,
+            signals=signals,
         ).history
     except (config_lib.ConfigError, RunError) as e:
         if args.debug:
@@ -547,7 +557,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.config:
             again.append(f"--config {shlex.quote(args.config)}")
         again += [shlex.quote(o) for o in args.overrides]
-        if e.saved is None:
+        if e.saved is None and e.rounds == 0:
+            print(f"{e}; nothing was trained: run the same command again", file=sys.stderr)
+        elif e.saved is None:
             print(f"{e} (checkpoint.dir is not set: nothing to resume)", file=sys.stderr)
         else:
             print(f"{e}; resume with:\n  {' '.join(again)}", file=sys.stderr)

@@ -62,11 +62,11 @@ def test_arrived_is_a_consistent_snapshot():
     stop = threading.Event()
 
     def deliver():
-        peer = 1
-        while not stop.is_set():
+        for peer in range(1, 50_000):
+            if stop.is_set():
+                return
             with pending.cond:
                 pending.got[peer] = [peer]
-            peer += 1
 
     t = threading.Thread(target=deliver, daemon=True)
     t.start()
@@ -77,3 +77,18 @@ def test_arrived_is_a_consistent_snapshot():
     finally:
         stop.set()
         t.join()
+
+
+def test_bytes_sent_is_documented_as_counted():
+    """``JobMetrics.bytes_sent`` counts every offered array, a payload's 16-byte frame with
+    it (the docs said payload bytes only)."""
+    from pathlib import Path
+
+    from co2jax.engines.jobstate import frame
+
+    leaves = [np.zeros((3, 5), np.float32), np.zeros(7, np.int8)]
+    framed = frame(leaves, rank=1, step=4, weight=2.0)
+    overhead = sum(x.nbytes for x in framed) - sum(x.nbytes for x in leaves)
+    assert overhead == 16
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "multijob.md").read_text()
+    assert "16-byte frame" in " ".join(docs.split())

@@ -239,6 +239,77 @@ def test_a_signal_stops_at_the_round_boundary_with_a_checkpoint(signum, tmp_path
     assert [r["round"] for r in resumed.history] == [3, 4]
 
 
+@pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
+def test_a_signal_during_start_up_prints_what_to_do(resumed, tmp_path, monkeypatch, capsys):
+    """A SIGTERM while the command loads its config (before any round): before, the run
+    ended with Python's default handler and no word; now the handlers are installed on the
+    command's first line, and it stops before training, saying what to run."""
+    logs, ckpt = f"log.dir={tmp_path / 'logs'}", f"checkpoint.dir={tmp_path / 'ckpt'}"
+    args = ["--preset", "micro", logs, ckpt, "log.tensorboard=false", "train.rounds=3"]
+    args.append("checkpoint.every=1")
+    if resumed:
+        train.train(_cfg(tmp_path, "train.rounds=3", "checkpoint.every=1"), stop_after=1)
+    real = train.checks.load
+
+    def load(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives during start-up
+        return real(*a, **k)
+
+    monkeypatch.setattr(train.checks, "load", load)
+    with pytest.raises(SystemExit) as code:
+        train.main([*args, "--resume"] if resumed else args)
+    assert code.value.code == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    if resumed:
+        assert "SIGTERM: stopped after round 1 (checkpoint at round 1); resume with:" in err
+        assert "--resume" in err.splitlines()[-1]
+    else:
+        assert "SIGTERM: stopped after round 0 (no checkpoint); nothing was trained" in err
+    monkeypatch.setattr(train.checks, "load", real)
+    train.main([*args, "--resume"] if resumed else [*args, "--overwrite"])  # then it runs
+
+
+class _Killed(BaseException):
+    """The process dying at a write point (not an Exception: nothing may catch it)."""
+
+
+def test_a_kill_at_every_write_point_loses_and_duplicates_nothing(tmp_path, monkeypatch):
+    """Every file the run directory gets (config.json, run.json, the rewritten metrics) goes
+    through one atomic writer; the process is killed at each of its write points in turn
+    (after the temporary file is written, before the rename), and the next --resume ends
+    with every round's record once, equal to an uninterrupted run's."""
+    cfg = _cfg(tmp_path, "train.rounds=4", "checkpoint.every=1")
+    straight = _cfg(tmp_path / "straight", "train.rounds=4", "checkpoint.every=1")
+    want = [r["round"] for r in train.train(straight).history]
+    train.train(cfg, stop_after=1)
+    real = rundir.replace_synced
+    points = 0
+    for n in range(1, 10):
+        calls = []
+
+        def dying(tmp, path, n=n, calls=calls):
+            calls.append(path.name)
+            if len(calls) == n:
+                raise _Killed(path.name)
+            real(tmp, path)
+
+        monkeypatch.setattr(rundir, "replace_synced", dying)
+        try:
+            train.train(cfg, resume=True, stop_after=1 + n)
+        except _Killed:
+            points += 1
+        monkeypatch.setattr(rundir, "replace_synced", real)
+        if len(calls) < n:  # no n-th write point in a resumed run's start: all were covered
+            break
+    assert points >= 3  # config.json, run.json, metrics.jsonl
+    train.train(cfg, resume=True)
+    records = [
+        json.loads(line) for line in (_run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["round"] for r in records] == want == [1, 2, 3, 4]
+    assert json.loads((_run_dir(tmp_path) / "config.json").read_text())["name"] == "micro"
+
+
 def test_a_diverged_run_stops_with_an_error(tmp_path):
     with pytest.raises(train.Diverged, match="training loss is nan on every replica"):
         train.train(_cfg(tmp_path, "inner.learning_rate=1e30", "train.rounds=3", ckpt=False))

@@ -69,7 +69,8 @@ STALE_WEIGHT = 2**-0.5
 class JobMetrics(NamedTuple):
     """``losses`` [steps]; ``compute_s`` (the inner steps), ``wait_s`` (waiting for
     exchanges once the steps before an apply were done), ``round_s`` (the whole round),
-    ``bytes_sent`` (this round, to all peers), ``steps`` (inner steps taken), and per
+    ``bytes_sent`` (this round, to all peers: each framed payload, 16 bytes of frame
+    included, and the side exchanges' arrays), ``steps`` (inner steps taken), and per
     exchange of the round ``participants`` (the ranks combined) and ``left_out`` (rank ->
     why); ``admitted``: ranks admitted at the round's end; ``carried``: per exchange, the
     ranks whose late payload of the previous round was merged into it (``late="carry"``)."""
