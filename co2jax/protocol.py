@@ -138,9 +138,11 @@ class OuterOptimizer(NamedTuple):
       fused: True when ``apply`` is one fused outer update (:func:`co2jax.kernels.outer_update`,
         the Pallas kernel where ``implementation`` says).
       recovers_nonfinite: True when a non-finite round is survivable (set by
-        :func:`co2jax.skip_nonfinite`): the engines then reset a replica's non-finite inner
-        optimizer state at the round's end (the round engine) or skip a non-finite inner
-        step (``local_updates``, whose updates are additive and cannot undo a NaN).
+        :func:`co2jax.skip_nonfinite`): the engines then restart a poisoned replica from the
+        anchor at the round's end (the round engine, :mod:`co2jax.engines.recovery`, which
+        does so for any algorithm with an outer reduction and a shared anchor) or skip a
+        non-finite inner step (``local_updates``, whose updates are additive and cannot undo
+        a NaN).
     """
 
     init: Callable[[Params], State]

@@ -9,11 +9,16 @@ left out and why, admissions. Modes:
 - ``survive``: rounds until 3 rounds after one where a job was admitted (at most
   MAX_ROUNDS), ``ROUND_SLEEP_S`` apart so that a restarted job has time to come back;
 - ``die``: exits abruptly (``os._exit``) before its round DIE_AT;
+- ``die_deciding``: the coordinator's death at its worst moment: in round DIE_AT, after
+  its payload went out, just before it sends its decision;
+- ``rejoin_die_deciding``: ``rejoin``, then ``die_deciding`` in its second round;
 - ``outlive``: DIE_AT + 3 rounds, no fault of its own;
 - ``rejoin``: :meth:`JobTrainer.rejoin`, then 3 rounds;
 - ``nan``: its batch of round POISON_AT is NaN (a non-finite payload);
 - ``malformed``: its payload header of round POISON_AT is corrupted;
 - ``steady``: POISON_AT + 2 rounds, no fault;
+- ``poisoned``, ``healthy``: inner heavy-ball SGD (a state a NaN poisons), POISON_AT + 3
+  rounds; ``poisoned``'s batch of round POISON_AT is NaN;
 - ``carry``, ``carry_late``: ``steady`` with ``late="carry"``; ``carry_late`` starts its
   round POISON_AT late, so that its payload misses the grace window;
 - ``robust``, ``robust_huge``: ``steady`` with ``robust=True``; ``robust_huge``'s round
@@ -36,6 +41,7 @@ import time
 REPLICAS, DATA_DEVICES, DIM = 3, 1, 16
 LR, GRACE_S, ROUND_SLEEP_S, MAX_ROUNDS = 0.1, 0.3, 0.4, 60
 DIE_AT, POISON_AT, LINGER_S = 2, 1, 3.0
+MOMENTUM = 0.9
 SECRET = "a per-run secret, 16+ chars"
 
 
@@ -86,6 +92,7 @@ def main(rank: str, addresses: str, out: str, mode: str) -> None:
     import harness
     import jax.numpy as jnp
     import numpy as np
+    import optax
     import textbook as tb
     from test_engine import engine_loss, textbook_batch
 
@@ -104,6 +111,8 @@ def main(rank: str, addresses: str, out: str, mode: str) -> None:
         tuple(addresses), rank, timeout_s=60.0, quorum=2, grace_s=GRACE_S, secret=SECRET
     )
     outer, inner = harness.registered("diloco", prob, LR, H)
+    if mode in ("poisoned", "healthy"):
+        inner = optax.sgd(LR, momentum=MOMENTUM)
     robust = mode.startswith("robust")
     late = "carry" if mode.startswith("carry") else "drop"
     trainer = co2jax.JobTrainer(
@@ -113,12 +122,26 @@ def main(rank: str, addresses: str, out: str, mode: str) -> None:
     if mode == "drift" and rank == 1:
         theta0 = theta0 + 1e-3  # another seed's initial parameters
     params = harness.unflatten(theta0)
-    state = trainer.rejoin(params) if mode == "rejoin" else trainer.init(params)
+    rejoins = mode in ("rejoin", "rejoin_die_deciding")
+    state = trainer.rejoin(params) if rejoins else trainer.init(params)
     record = {"rounds": {}, "events": [], "error": None, "start_round": int(state.round)}
-    stop = {"survive": MAX_ROUNDS, "die": DIE_AT, "outlive": DIE_AT + 3}.get(mode, POISON_AT + 2)
-    if mode == "rejoin":
+    stops = {"survive": MAX_ROUNDS, "die": DIE_AT, "outlive": DIE_AT + 3}
+    stops["die_deciding"] = DIE_AT + 1
+    stops.update(poisoned=POISON_AT + 3, healthy=POISON_AT + 3)
+    stop = stops.get(mode, POISON_AT + 2)
+    if rejoins:
         stop = state.round + 3
     real_frame = jobstate.frame
+    if mode in ("die_deciding", "rejoin_die_deciding"):
+        real_publish = trainer.exchange.publish
+        dies_at = DIE_AT if mode == "die_deciding" else state.round + 1
+
+        def publish(kind, step, leaves, dests):
+            if kind == "decision" and state.round == dies_at:
+                os._exit(3)
+            real_publish(kind, step, leaves, dests)
+
+        trainer.exchange.publish = publish
     while state.round < stop:
         if mode == "survive":
             time.sleep(ROUND_SLEEP_S)
@@ -127,7 +150,7 @@ def main(rank: str, addresses: str, out: str, mode: str) -> None:
         if mode == "carry_late" and state.round == POISON_AT:
             time.sleep(2 * GRACE_S)  # misses this round's grace window, not the next
         b = batch
-        if mode == "nan" and state.round == POISON_AT:
+        if mode in ("nan", "poisoned") and state.round == POISON_AT:
             b = {**batch, "d": batch["d"] * jnp.nan}
         if mode == "robust_huge" and state.round == POISON_AT:
             b = {**batch, "c": batch["c"] * 1e4}  # a faulty replica's enormous update

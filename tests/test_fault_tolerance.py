@@ -168,6 +168,46 @@ def test_a_bad_payload_is_dropped_and_reported(tmp_path, mode, reason):
     )
 
 
+@pytest.mark.parametrize("bad", [2, 0], ids=["a_peer", "the_coordinator"])
+def test_a_poisoned_job_restarts_and_takes_part_again(tmp_path, bad):
+    """Inner heavy-ball SGD; job ``bad``'s batch of round 1 is NaN (job 0 coordinates the
+    exchanges). Every job leaves its payload out of round 1 (the job itself included), the
+    poisoned job restarts from the anchor with a fresh inner state, and all three take part
+    in rounds 2 and 3; every job's parameters equal the SPMD engine's with the same poisoned
+    batch and exclude_nonfinite=True. (Before: its momentum stayed NaN and it was left out of
+    every later round; poisoned as the coordinator, it counted its own NaN payload, which
+    the others lacked, and the round failed.)"""
+    jobs = Jobs(tmp_path)
+    for rank in range(worker.REPLICAS):
+        jobs.start(rank, "poisoned" if rank == bad else "healthy")
+    codes = jobs.wait(time.monotonic() + DEADLINE_S)
+    assert set(codes.values()) == {0}, f"{codes}\n{jobs.logs()}"
+    records = [
+        jobs.record("poisoned" if r == bad else "healthy", r) for r in range(worker.REPLICAS)
+    ]
+    P, everyone = worker.POISON_AT, list(range(worker.REPLICAS))
+    for rec in records:
+        assert rec["rounds"][str(P)]["participants"] == [[r for r in everyone if r != bad]]
+        assert "non-finite" in rec["rounds"][str(P)]["left_out"][0][str(bad)]
+        for t in range(P + 1, P + 3):
+            assert rec["rounds"][str(t)]["participants"] == [everyone], rec["rounds"][str(t)]
+    problem, H = worker.problem(), tb.REGISTERED_H
+    outer, _ = harness.registered("diloco", problem, worker.LR, H)
+    mesh = co2jax.make_mesh(replica=worker.REPLICAS, data=1, devices=jax.devices("cpu")[:3])
+    inner = optax.sgd(worker.LR, momentum=worker.MOMENTUM)
+    trainer = co2jax.RoundTrainer(engine_loss, inner, outer, mesh, H, exclude_nonfinite=True)
+    state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
+    for t in range(P + 3):
+        batch = textbook_batch(problem, H)
+        if t == P:
+            batch = {**batch, "d": batch["d"].at[bad].multiply(jnp.nan)}
+        state, _ = trainer.round(state, batch)
+        want = np.asarray(harness.flatten(jax.device_get(state.params)), np.float64)
+        for r, rec in enumerate(records):
+            got = rec["rounds"][str(t)]["params"]
+            np.testing.assert_allclose(got, want[r], rtol=1e-6, atol=1e-6, err_msg=f"{t} {r}")
+
+
 @pytest.mark.slow  # test_drift.py injects a drift into the round engine's anchors quickly
 def test_drift_between_jobs_is_detected(tmp_path):
     """Rank 1 starts from other parameters (another seed): the anchors' fingerprints differ
@@ -216,12 +256,22 @@ def test_keys_depend_on_the_secret_and_every_field():
         (dict(quorum=0), "quorum must be None or in 1..2"),
         (dict(quorum=3), "quorum must be None or in 1..2"),
         (dict(grace_s=-1), "grace_s"),
+        (dict(quorum=1), r"^quorum=1 of 2 replicas is not a majority: .* allow_minority=True$"),
+        (dict(quorum=1, allow_minority="yes"), "allow_minority must be True or False"),
         (dict(secret="short"), "at least 16 characters"),
     ],
 )
 def test_peers_fault_tolerance_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         co2jax.Peers(("a:1", "a:2"), 0, **kwargs)
+
+
+def test_a_majority_quorum_is_accepted_and_a_minority_one_needs_the_flag():
+    assert co2jax.Peers(("a:1", "a:2", "a:3"), 0, quorum=2).tolerant
+    assert co2jax.Peers(tuple(f"a:{p}" for p in range(1, 6)), 0, quorum=3).tolerant
+    with pytest.raises(ValueError, match="quorum=2 of 4 replicas is not a majority"):
+        co2jax.Peers(("a:1", "a:2", "a:3", "a:4"), 0, quorum=2)
+    assert co2jax.Peers(("a:1", "a:2", "a:3", "a:4"), 0, quorum=2, allow_minority=True).tolerant
 
 
 def test_frames_are_checked():
@@ -403,6 +453,72 @@ def test_the_coordinator_dying_hands_the_decisions_to_the_next_rank(tmp_path):
         assert one[t]["params"] == two[t]["params"]
 
 
+def test_a_coordinator_dying_while_it_decides_costs_one_grace_window(tmp_path):
+    """Rank 0, the coordinator, dies in round DIE_AT after its payload went out and before
+    its decision: ranks 1 and 2 hold its payload, so its connection has not failed, and
+    waited for its decision, or for its side exchange, until timeout_s (60 s), or one of
+    them lacked the payload the other counted. Now a silent candidate is probed after
+    grace_s (a TCP connection, which a dead process refuses): the round costs at most
+    grace_s + 1 s more than a round, and rank 1 decides without rank 0's payload; both go on
+    bit-identical."""
+    jobs = Jobs(tmp_path)
+    jobs.start(0, "die_deciding")
+    for rank in (1, 2):
+        jobs.start(rank, "outlive")
+    codes = jobs.wait(time.monotonic() + DEADLINE_S)
+    assert codes[(0, "die_deciding")] == 3, f"{codes}\n{jobs.logs()}"
+    assert codes[(1, "outlive")] == codes[(2, "outlive")] == 0, f"{codes}\n{jobs.logs()}"
+    one, two = jobs.record("outlive", 1)["rounds"], jobs.record("outlive", 2)["rounds"]
+    assert sorted(one) == sorted(two) == [str(t) for t in range(worker.DIE_AT + 3)]
+    for t in one:
+        assert one[t]["participants"] == two[t]["participants"], (t, one[t], two[t])
+        assert one[t]["params"] == two[t]["params"]
+    # the next rank decides without the dead coordinator's payload, which may have reached
+    # one job and not the other
+    assert one[str(worker.DIE_AT)]["participants"] == [[1, 2]]
+    ends = [one[str(t)]["time"] for t in range(worker.DIE_AT + 3)]
+    rounds = np.diff(ends)  # round k's length is ends[k] - ends[k - 1]
+    normal = np.median(rounds[worker.DIE_AT :])
+    stall = rounds[worker.DIE_AT - 1] - normal
+    assert stall <= worker.GRACE_S + 1.0, (rounds, stall)
+
+
+def test_a_rejoined_coordinator_dying_while_it_decides_costs_one_grace_window(tmp_path):
+    """Rank 0 dies before its round DIE_AT; restarted, it rejoins and coordinates again (the
+    lowest rank), and dies again in its second round, just before sending its decision.
+    Ranks 1 and 2 go on: no round of theirs is longer than a normal one by more than
+    grace_s + 1 s (the wait for the restarted job's first exchange aside, which waits for
+    its hand-over and compilation), and their anchors stay bit-identical."""
+    jobs = Jobs(tmp_path)
+    dying = jobs.start(0, "die")
+    for rank in (1, 2):
+        jobs.start(rank, "survive")
+    deadline = time.monotonic() + DEADLINE_S
+    while dying.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    again = jobs.start(0, "rejoin_die_deciding")
+    codes = jobs.wait(deadline)
+    assert codes[(0, "rejoin_die_deciding")] == 3, f"{codes}\n{jobs.logs()}"
+    assert codes[(1, "survive")] == codes[(2, "survive")] == 0, f"{codes}\n{jobs.logs()}"
+    assert again.returncode == 3
+    one, two = jobs.record("survive", 1)["rounds"], jobs.record("survive", 2)["rounds"]
+    assert sorted(one) == sorted(two)
+    for t in one:
+        assert one[t]["participants"] == two[t]["participants"], (t, one[t], two[t])
+        assert one[t]["params"] == two[t]["params"]
+    admitted = [int(t) for t, v in one.items() if v["admitted"] == [0]]
+    assert len(admitted) == 1, one
+    ends = [one[str(t)]["time"] for t in range(len(one))]
+    rounds = np.diff(ends)  # rounds[k - 1]: round k's length
+    normal = np.median(rounds)
+    # round admitted + 1 waits for the joiner (rounds[admitted]); in round DIE_AT the first
+    # death is a job that lingers LINGER_S with its last payloads offered: alive, waited for
+    waited = {admitted[0], worker.DIE_AT - 1}
+    stalls = [x - normal for k, x in enumerate(rounds) if k not in waited]
+    assert max(stalls) <= worker.GRACE_S + 1.0, (rounds, admitted)
+    assert one[str(admitted[0] + 1)]["participants"] == [[0, 1, 2]], one
+
+
 @pytest.mark.parametrize("name", ["ddp", "demo"])
 def test_jobs_refuse_an_inner_transform_that_communicates_every_step(name):
     """DDP's and DeMo's inner transforms exchange every step over the replica axis, which
@@ -420,3 +536,37 @@ def test_jobs_refuse_an_inner_transform_that_communicates_every_step(name):
                 job.init(params)
         else:
             job.init(params)
+
+
+def test_offers_to_a_peer_found_gone_are_withdrawn():
+    """Payloads offered to a peer that never pulls them stayed on the server until the job
+    ended (one per exchange while it was away). Now the last KEPT_OFFERS exchanges' offers
+    are tracked; when the peer is found gone they are taken back from the server, and
+    nothing more is offered to it (an exchange fails it at once) until its server answers
+    a connection again."""
+    from co2jax.engines import exchange as ex
+
+    ports = _ports(3)
+    addresses = tuple(f"127.0.0.1:{p}" for p in ports)
+    a = ex.Exchange(co2jax.Peers(addresses, 0))
+    b = ex.Exchange(co2jax.Peers(addresses, 1))  # rank 2 never starts: a dead peer
+    x = jnp.arange(1000.0)
+    for step in range(ex.KEPT_OFFERS + 4):
+        a.publish("payload", step, [x], [1, 2])
+    assert a.outstanding(1) == a.outstanding(2) == ex.KEPT_OFFERS
+    got = b.pull("payload", ex.KEPT_OFFERS + 3, 0, [x])  # a live peer's pull: served
+    np.testing.assert_array_equal(got[0], x)
+    a.lost(2)
+    deadline = time.monotonic() + 10
+    while a.withdrawn < ex.KEPT_OFFERS and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert a.withdrawn == ex.KEPT_OFFERS and a.outstanding(2) == 0 and a.away == {2}
+    a.publish("payload", 99, [x], [1, 2])
+    assert a.outstanding(2) == 0 and a.outstanding(1) == ex.KEPT_OFFERS
+    b.publish("payload", 100, [x], [0])  # (no pull may be left hanging at the process end)
+    pending = a.start(100, [x], "exchange 100")  # rank 2 away: failed at once, not pulled
+    assert 2 in pending.gone and "gone" in pending.failed[2]
+    a.wait(pending, until=(1,))
+    assert sorted(pending.arrived()) == [0, 1]
+    assert a.away == {2}  # its port still refuses connections
+    b.pull("payload", 100, 0, [x])

@@ -177,7 +177,7 @@ def test_replica_local_algorithms_and_inner_only_ones_refuse_weights(problem, me
         outer, inner = harness.registered(name, problem, LR, H)
         trainer = co2jax.RoundTrainer(engine_loss, inner, outer, mesh, H)
         state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
-        with pytest.raises(ValueError, match=r"replica-local anchors|no outer transfer"):
+        with pytest.raises(ValueError, match=r"replica-local anchors|needs an outer reduction"):
             trainer.round(state, textbook_batch(problem, H), weights=[1, 1, 0, 1])
 
 

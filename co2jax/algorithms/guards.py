@@ -47,8 +47,9 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
     unless finite payloads overflow when summed.
 
     A replica whose inner optimizer state went non-finite (AdamW moments after a NaN
-    gradient) would poison every later round: the round engine resets such a replica's inner
-    state (``inner.init`` of the anchor it restarts from) at the round's end, and
+    gradient) would poison every later round: the round engine restarts such a replica from
+    the anchor (:mod:`co2jax.engines.recovery`: ``inner.init`` of the anchor) at the
+    round's end, and
     ``local_updates`` skips a non-finite inner step (zero updates, the inner state kept, the
     step counted, so replicas stay in step). One bad batch costs one round (the round
     engine) or one step (``local_updates``). Wrap it *inside* the engine, never with

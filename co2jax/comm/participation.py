@@ -40,7 +40,7 @@ import numpy as np
 
 from co2jax._checks import check_choice
 from co2jax.axes import REPLICA, axis_size
-from co2jax.comm.reducer import Encoded, Payload, Reducer, all_gather_tree
+from co2jax.comm.reducer import Encoded, Payload, Reducer, all_gather_tree, values
 from co2jax.tree import all_over_shards, tree_all_finite
 
 WEIGHT_RULES = ("tokens", "tokens_squared_per_step")
@@ -85,7 +85,9 @@ def weighted(
             return payload
         w = jnp.asarray(weight, jnp.float32)
         if exclude_nonfinite:
-            w = jnp.where(all_over_shards(tree_all_finite(payload), {REPLICA}), w, 0.0)
+            # on the values: a NaN can hide in an encoding (integer codes, a clipped scale)
+            finite = tree_all_finite(values(payload))
+            w = jnp.where(all_over_shards(finite, {REPLICA}), w, 0.0)
         payload = _zero_where_out(payload, w > 0)
         if reducer.exact and not reducer.gathered and not isinstance(payload, Encoded):
             total = jax.lax.psum(w, axis_name)
@@ -142,6 +144,21 @@ def check_weights(name: str, weights, replicas: int) -> np.ndarray:
     return w.astype(np.float32)
 
 
+def check_weighable(outer, what: str) -> None:
+    """Raises ``ValueError`` (naming ``what``) unless ``outer``'s reductions can weigh
+    replicas: it has outer transfers and a replica-invariant anchor."""
+    if not outer.schedule:
+        raise ValueError(
+            f"{what}: needs an outer reduction; this outer optimizer has none (its replicas "
+            "meet inside the inner steps, as data parallel's gradient mean)"
+        )
+    if outer.replica_local:
+        raise ValueError(
+            f"{what}: needs a replica-invariant anchor; this outer optimizer keeps "
+            "replica-local anchors (outer.replica_local)"
+        )
+
+
 def check_participation(outer, replicas: int, steps_per_round: int, weights=None, steps=None):
     """A round's participation checked before any compute: ``(weights, steps)`` as float32
     and int32 ``[replicas]`` arrays or ``None``.
@@ -154,17 +171,7 @@ def check_participation(outer, replicas: int, steps_per_round: int, weights=None
     """
     if weights is None and steps is None:
         return None, None
-    if not outer.schedule:
-        raise ValueError(
-            "this outer optimizer has no outer transfer to weight (its replicas meet inside "
-            "the inner steps, as data parallel's gradient mean); participation weights and "
-            "per-replica steps apply to outer reductions"
-        )
-    if outer.replica_local:
-        raise ValueError(
-            "participation weights and per-replica steps need a replica-invariant anchor; "
-            "this outer optimizer keeps replica-local anchors (outer.replica_local)"
-        )
+    check_weighable(outer, "participation weights and per-replica steps")
     if steps is not None:
         n = np.asarray(steps)
         if (

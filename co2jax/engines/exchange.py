@@ -18,11 +18,13 @@ through a tunnel (``docs/multijob.md``, the trust model).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import hmac
 import json
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -42,6 +44,12 @@ def _check_address(name: str, address: str) -> tuple[str, int]:
         raise ValueError(f"{name} must be 'host:port' with a port in 1..65535, got {address!r}")
     return host, int(port)
 
+
+PROBE_EVERY_S = 0.25
+"""How often a silent peer that is waited for is checked for a listening server."""
+
+KEPT_OFFERS = 8
+"""Exchanges whose offers to a peer are tracked, to be withdrawn if it is found gone."""
 
 KINDS = ("payload", "decision", "hello", "welcome")
 """What a transfer carries: a round's payload, the coordinator's decision on an exchange, a
@@ -66,6 +74,9 @@ class Peers:
         dead, late or bad peer is left out of that exchange, not the run
         (:mod:`co2jax.engines.membership`).
       grace_s: once a quorum has arrived, how much longer an exchange waits for the rest.
+      allow_minority: accept a quorum that is not a majority (``quorum <= R / 2``, refused
+        otherwise): the two sides of a network partition could then both reach their
+        quorum, go on, and their anchors part for good (split brain).
       secret: a per-run secret shared by every job (never logged, not in ``repr``): transfer
         keys are derived from it (HMAC-SHA256), so a job without it cannot name, and so
         cannot pull, another job's payloads. ``None``: predictable keys.
@@ -78,6 +89,7 @@ class Peers:
     quorum: int | None = None
     grace_s: float = 0.5
     secret: str | None = dataclasses.field(default=None, repr=False)
+    allow_minority: bool = False
 
     def __post_init__(self):
         addresses = tuple(self.addresses)
@@ -99,6 +111,16 @@ class Peers:
             isinstance(q, bool) or not isinstance(q, int) or not 1 <= q <= len(addresses)
         ):
             raise ValueError(f"quorum must be None or in 1..{len(addresses)}, got quorum={q!r}")
+        if not isinstance(self.allow_minority, bool):
+            raise ValueError(
+                f"allow_minority must be True or False, got allow_minority={self.allow_minority!r}"
+            )
+        if q is not None and 2 * q <= len(addresses) and not self.allow_minority:
+            raise ValueError(
+                f"quorum={q} of {len(addresses)} replicas is not a majority: both sides of a "
+                f"network partition could go on and their anchors part; use quorum >= "
+                f"{len(addresses) // 2 + 1}, or allow_minority=True"
+            )
         if not self.grace_s >= 0:
             raise ValueError(f"grace_s must be >= 0, got grace_s={self.grace_s!r}")
         if self.secret is not None and (not isinstance(self.secret, str) or len(self.secret) < 16):
@@ -159,9 +181,18 @@ class Pending:
 
     def __init__(self, step: int, label: str, own: int, leaves: list):
         self.step, self.label = step, label
+        self.own = own
         self.got: dict[int, list] = {own: leaves}
         self.failed: dict[int, str] = {}
+        self.gone: set[int] = set()  # peers whose pull failed (not a payload refused)
         self.cond = threading.Condition()
+
+    def refuse_own(self, reason: str) -> None:
+        """Leaves this job's own payload out (``reason``: why), as its peers leave it out."""
+        with self.cond:
+            self.got.pop(self.own, None)
+            self.failed[self.own] = reason
+            self.cond.notify_all()
 
     def settled(self, replicas: int) -> bool:
         return len(self.got) + len(self.failed) >= replicas
@@ -185,6 +216,16 @@ class Exchange:
     :class:`PeerError`). Bytes on the wire per exchange: ``(R - 1) *`` the payload's bytes,
     sent and received by each job. A connection that failed is opened again at the next
     pull, so a restarted peer is reached at its address.
+
+    **A peer that is gone.** A peer whose connection broke or whose server refuses a
+    connection (:meth:`reachable`) is *away*: the payload and decision offers made to it in
+    the last ``KEPT_OFFERS`` exchanges, which it will never pull, are withdrawn (this job
+    pulls them from its own server, in the background, and drops them), and
+    :meth:`start` neither offers to it nor pulls from it (it fails at once, ``gone``)
+    until its server accepts a connection again (a restarted job). So what a dead peer
+    leaves on the server is bounded: nothing once it is found gone, at most
+    ``KEPT_OFFERS`` exchanges' offers before (older ones, assumed pulled, are not
+    tracked).
     """
 
     def __init__(self, peers: Peers, device: jax.Device | None = None):
@@ -199,6 +240,9 @@ class Exchange:
         self._connections: dict[int, Any] = {}
         self._lock = threading.Lock()
         self.bytes_sent = 0
+        self.away: set[int] = set()  # peers found gone, until they answer a connection
+        self._offers: dict[int, collections.deque] = {}  # peer -> recent (key, arrays)
+        self.withdrawn = 0  # offers taken back from peers found gone
 
     def _connection(self, peer: int):
         with self._lock:
@@ -210,14 +254,68 @@ class Exchange:
         with self._lock:
             self._connections.pop(peer, None)
 
+    def reachable(self, peer: int, timeout_s: float = 1.0) -> bool:
+        """Whether ``peer``'s transfer server accepts a TCP connection within ``timeout_s``
+        (opened and closed at once; nothing is sent). A dead process's port refuses it at
+        once, where a pull from it may hang."""
+        host, port = _check_address("address", self.peers.addresses[peer])
+        try:
+            with socket.create_connection((host.strip("[]"), port), timeout=timeout_s):
+                return True
+        except OSError:
+            return False
+
     def publish(self, kind: str, step: int, leaves: list, dests) -> None:
-        """Offers ``leaves`` to each rank in ``dests`` (one pull each)."""
+        """Offers ``leaves`` to each rank in ``dests`` (one pull each); not to a peer that
+        is away (a payload or a decision: one it would never pull)."""
         leaves = [_on_device(x, self.device) for x in leaves]
+        tracked = kind in ("payload", "decision")
         for peer in dests:
-            if peer != self.peers.rank:
-                key = transfer_key(self.peers, kind, step, self.peers.rank, peer)
-                self.server.await_pull(key, leaves)
-                self.bytes_sent += sum(x.nbytes for x in leaves)
+            if peer == self.peers.rank or (tracked and peer in self.away):
+                continue
+            key = transfer_key(self.peers, kind, step, self.peers.rank, peer)
+            self.server.await_pull(key, leaves)
+            self.bytes_sent += sum(x.nbytes for x in leaves)
+            if tracked:
+                with self._lock:
+                    recent = self._offers.setdefault(peer, collections.deque(maxlen=KEPT_OFFERS))
+                    recent.append((key, leaves))
+
+    def outstanding(self, peer: int) -> int:
+        """Offers to ``peer`` this job still tracks (at most ``KEPT_OFFERS``)."""
+        with self._lock:
+            return len(self._offers.get(peer, ()))
+
+    def lost(self, peer: int) -> None:
+        """``peer`` is gone: it is away, and the offers made to it are withdrawn, each on a
+        daemon thread (an offer it had pulled before it died is not offered any more, and
+        that thread waits for nothing until the process ends)."""
+        with self._lock:
+            self.away.add(peer)
+            offers = list(self._offers.pop(peer, ()))
+        if not offers:
+            return
+        sharding = jax.sharding.SingleDeviceSharding(self.device)
+
+        def take_back(key: int, leaves: list) -> None:
+            specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in leaves]
+            try:
+                own = self.server.connect(self.peers.addresses[self.peers.rank])
+                jax.block_until_ready(own.pull(key, specs))
+            except Exception:  # nothing to take back
+                return
+            with self._lock:
+                self.withdrawn += 1
+
+        for key, leaves in offers:
+            threading.Thread(target=take_back, args=(key, leaves), daemon=True).start()
+
+    def _returned(self) -> None:
+        """Peers away whose server accepts a connection again (restarted): back."""
+        for peer in sorted(self.away):
+            if self.reachable(peer, PROBE_EVERY_S):
+                with self._lock:
+                    self.away.discard(peer)
 
     def pull(self, kind: str, step: int, source: int, like: list, fresh: bool = False) -> list:
         """``source``'s ``kind`` transfer of ``step`` to this job, shaped like ``like``
@@ -240,7 +338,11 @@ class Exchange:
     def start(self, step: int, leaves: list, label: str | None = None, check=None) -> Pending:
         leaves = [_on_device(x, self.device) for x in leaves]
         rank, replicas = self.peers.rank, self.peers.replicas
+        self._returned()
         pending = Pending(step, label or f"exchange {step}", rank, leaves)
+        for peer in self.away:
+            pending.failed[peer] = "gone: its server refused a connection, or its link broke"
+            pending.gone.add(peer)
         self.publish("payload", step, leaves, range(replicas))
 
         def pull(peer: int) -> None:
@@ -249,15 +351,18 @@ class Exchange:
                 reason = check(peer, arrays) if check is not None else None
             except Exception as e:  # the connection broke: the peer is gone
                 arrays, reason = None, f"pulling its payload failed: {e}"
+                self.lost(peer)
             with pending.cond:
                 if reason is None:
                     pending.got[peer] = arrays
                 else:
                     pending.failed[peer] = reason
+                    if arrays is None:
+                        pending.gone.add(peer)
                 pending.cond.notify_all()
 
         for peer in range(replicas):
-            if peer != rank:
+            if peer != rank and peer not in pending.gone:
                 name = f"co2jax-exchange-{step}-{peer}"
                 threading.Thread(target=pull, args=(peer,), name=name, daemon=True).start()
         return pending
@@ -265,15 +370,28 @@ class Exchange:
     def wait(self, pending: Pending, quorum: int | None = None, until=None) -> Pending:
         """Waits until every peer has answered, or ``quorum`` payloads are in and
         ``peers.grace_s`` more has passed, or ``peers.timeout_s`` (from the call); with
-        ``until`` (ranks), until those have answered (at most the timeout)."""
+        ``until`` (ranks), until those have answered (at most the timeout): after
+        ``grace_s``, each of them still silent is probed every ``PROBE_EVERY_S``
+        (:meth:`reachable`), and one whose process is gone fails (a pull from a process
+        that died can hang)."""
         replicas, began = self.peers.replicas, time.monotonic()
         deadline, quorum_at = began + self.peers.timeout_s, None
+        probe_at = began + self.peers.grace_s
         with pending.cond:
             while True:
                 now = time.monotonic()
                 if until is not None:
-                    if all(r in pending.got or r in pending.failed for r in until):
+                    silent = [r for r in until if r not in pending.got and r not in pending.failed]
+                    if not silent:
                         return pending
+                    if now >= probe_at:
+                        for r in silent:
+                            if not self.reachable(r, PROBE_EVERY_S):
+                                pending.failed[r] = "unreachable: its process is gone"
+                                pending.gone.add(r)
+                                self.lost(r)
+                        probe_at = now + PROBE_EVERY_S
+                        continue
                 elif pending.settled(replicas):
                     return pending
                 elif quorum is not None and len(pending.got) >= quorum:
@@ -285,6 +403,8 @@ class Exchange:
                 limit = (
                     deadline if quorum_at is None else min(deadline, quorum_at + self.peers.grace_s)
                 )
+                if until is not None:
+                    limit = min(limit, probe_at)
                 pending.cond.wait(max(limit - now, 0.001))
 
     def missing(self, pending: Pending, ranks) -> str:

@@ -31,7 +31,7 @@ import optax
 from co2jax.axes import DATA
 from co2jax.comm import chunks
 from co2jax.comm.reducer import values
-from co2jax.engines import gradients
+from co2jax.engines import gradients, recovery
 from co2jax.engines.layout import constrain, without
 from co2jax.engines.program import split_over
 from co2jax.engines.walk import Segment, Walk
@@ -164,6 +164,24 @@ class RoundDriver:
         params, state = self.outer.apply(params, self._outer_in(c.outer_state), i, reduced)
         return c._replace(
             params=constrain(params, self.specs.params), outer_state=self._outer_out(state)
+        )
+
+    def restart_poisoned(self, c: Carry, inner_init: Callable) -> Carry:
+        """The round's end state with a poisoned replica restarted from the anchor
+        (:func:`co2jax.engines.recovery.restart_poisoned`)."""
+        outer_state = self._outer_in(c.outer_state)
+        fresh_inner = lambda p: varying_like(inner_init(p), c.inner_state)
+        params, inner_state, outer_state = recovery.restart_poisoned(
+            constrain(c.params, self.specs.outer_params),
+            c.inner_state,
+            outer_state,
+            fresh_inner,
+            self.outer.init,
+        )
+        return c._replace(
+            params=constrain(params, self.specs.params),
+            inner_state=constrain(inner_state, self.specs.inner_state),
+            outer_state=self._outer_out(outer_state),
         )
 
     def segment(self, c: Carry, segment: Segment) -> Carry:

@@ -30,10 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from co2jax.axes import collectives_in
+from co2jax.engines.recovery import map_fields
 from co2jax.mesh import replica_map
-from co2jax.protocol import roles_of
 
 HEADER_MASK = 0xFFFFFFFF
+NONFINITE = "non-finite: its payload has a NaN or an Inf"
 
 
 class JobState(NamedTuple):
@@ -80,10 +81,12 @@ def check_frame(arrays: list, like: list, peer: int, step: int) -> str | None:
             f"malformed: its header names replica {int(header[1])}, exchange "
             f"{int(header[2])} (expected {peer}, {step & HEADER_MASK})"
         )
+    if math.isnan(weight):  # the sender found its own payload non-finite
+        return NONFINITE
     if not (math.isfinite(weight) and weight >= 0):
         return f"malformed: its weight is {weight}"
     if not bool(_all_finite(list(arrays[2:]))):
-        return "non-finite: its payload has a NaN or an Inf"
+        return NONFINITE
     return None
 
 
@@ -91,20 +94,11 @@ def reset_varying(state: Any, fresh: Any) -> Any:
     """``state`` with every field its type declares replica-varying
     (:class:`co2jax.protocol.StateRoles`) taken from ``fresh`` (an ``init`` of the same
     structure), at any depth."""
-    if isinstance(state, tuple) and hasattr(type(state), "_fields"):
-        varying = roles_of(state).replica_varying
-        fields = {
-            name: getattr(fresh, name)
-            if name in varying
-            else reset_varying(getattr(state, name), getattr(fresh, name))
-            for name in state._fields
-        }
-        return type(state)(**fields)
-    if isinstance(state, list | tuple):
-        return type(state)(reset_varying(s, f) for s, f in zip(state, fresh, strict=True))
-    if isinstance(state, dict):
-        return {k: reset_varying(v, fresh[k]) for k, v in state.items()}
-    return state
+    return map_fields(state, fresh, lambda roles, name: name in roles.replica_varying, keep_fresh)
+
+
+def keep_fresh(_: Any, fresh: Any) -> Any:
+    return fresh
 
 
 def save(directory: str, state: Any, metadata: dict) -> None:

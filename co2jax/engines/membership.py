@@ -11,7 +11,12 @@ finite. Every job must combine the same payloads, or the anchors part, so one jo
   any payload of S they do not yet hold (at most ``timeout_s``), and combine S in rank
   order. A job left out of S applies the same reduced payload as the others, so its own
   contribution is lost and its anchor stays identical.
-- If the coordinator fails, the next rank of the previous set takes over. A job that cannot
+- If the coordinator fails, the next rank of the previous set takes over. A candidate is
+  gone when its connection breaks (a payload of its that was refused does not count), or
+  when its decision is not in ``grace_s`` after this job's own wait and its server refuses
+  a TCP connection (:meth:`~co2jax.engines.exchange.Exchange.reachable`: a pull from a
+  process that died can hang). The next candidate does not count a passed candidate's
+  payload, which may have reached some jobs and not others. A job that cannot
   get candidate k's decision (attempt k) turns to candidate k + 1. A candidate that cannot
   get the decisions of those before it decides itself.
 - *Rejoin*: a restarted job greets every peer (:func:`greet`). A job outside the last set
@@ -22,9 +27,9 @@ finite. Every job must combine the same payloads, or the anchors part, so one jo
   hand-over and its compilation, and a job later than the grace window at every exchange
   would never catch up.
 
-Not handled: a partition between live jobs that both reach a quorum. The candidates'
-order makes two deciders unlikely, not impossible. Neither is a payload offered to a peer
-that never pulls it, which stays on the server (one per exchange while a peer is away).
+A partition between live jobs cannot give two sides a quorum: a quorum that is not a
+majority is refused unless ``Peers(allow_minority=True)``. A peer found gone has the offers
+made to it withdrawn (:class:`~co2jax.engines.exchange.Exchange`).
 Every change of membership is logged (logger ``co2jax.jobs``) and recorded in
 :attr:`Membership.events`.
 """
@@ -39,7 +44,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from co2jax.engines.exchange import Exchange, PeerError, Pending
+from co2jax.engines.exchange import PROBE_EVERY_S, Exchange, PeerError, Pending
 
 log = logging.getLogger("co2jax.jobs")
 
@@ -112,19 +117,34 @@ class Membership:
     # decisions ------------------------------------------------------------------------
 
     def _pull_decision(self, step: int, attempt: int, source: int) -> np.ndarray | None:
+        """``source``'s decision of exchange ``step`` (attempt ``attempt``), or ``None`` when
+        ``source`` is gone. A live candidate decides about when this job is done waiting; if
+        its decision is not in after ``grace_s``, ``source`` is probed every
+        ``PROBE_EVERY_S`` (:meth:`~co2jax.engines.exchange.Exchange.reachable`): a dead
+        process refuses the connection at once, where a pull on the kept connection to a
+        process that died after a restart can hang until ``timeout_s``. A live, late
+        candidate is waited for, at most ``timeout_s``."""
         out: list = []
+        settled = threading.Event()
 
         def pull() -> None:
             try:
                 like = [np.zeros(2 * self.peers.replicas, np.int32)]
                 key_step = step * self.peers.replicas + attempt
                 out.append(np.asarray(self.exchange.pull("decision", key_step, source, like)[0]))
-            except Exception:
+            except Exception:  # the connection broke: it is gone
                 pass
+            settled.set()
 
-        thread = threading.Thread(target=pull, daemon=True)
-        thread.start()
-        thread.join(self.peers.timeout_s)
+        deadline = time.monotonic() + self.peers.timeout_s
+        threading.Thread(target=pull, daemon=True).start()
+        settled.wait(self.peers.grace_s)
+        while not settled.is_set() and time.monotonic() < deadline:
+            if not self.exchange.reachable(source):
+                self._event(f"replica {source} is unreachable: the next rank decides")
+                self.exchange.lost(source)
+                break
+            settled.wait(min(PROBE_EVERY_S, max(deadline - time.monotonic(), 0.0)))
         return out[0] if out else None
 
     def decide(self, pending: Pending, round_end: bool, late: tuple | None = None) -> Decision:
@@ -144,12 +164,16 @@ class Membership:
         if awaited:
             self.exchange.wait(pending, until=tuple(sorted(awaited)))
         mask, self.decided_last = None, False
+        passed: set[int] = set()  # candidates found gone: none of them counts either
         for attempt, candidate in enumerate(sorted(self.previous)):
-            if candidate in pending.failed:  # its connection broke: it is gone, the next decides
+            if candidate in pending.gone:  # its connection broke: it is gone, the next decides
+                passed.add(candidate)
                 continue
             if candidate == me:
                 mask = np.full(2 * R, OUT, np.int32)
-                arrived_now = pending.arrived()  # the pull threads keep adding to it
+                # a candidate that died before deciding may have reached this job and not
+                # another: counting its payload would leave that job lacking it
+                arrived_now = set(pending.arrived()) - passed  # the pull threads add to it
                 mask[sorted(arrived_now)] = IN
                 if late is not None:
                     with late[0].cond:
@@ -168,6 +192,7 @@ class Membership:
                 self.decided_last = True
                 break
             mask = self._pull_decision(pending.step, attempt, candidate)
+            passed.add(candidate)
             if mask is not None:
                 break
         if mask is None:
@@ -185,7 +210,11 @@ class Membership:
                 f"replica {me}: {pending.label}: the coordinator counted peers {lacking}, whose "
                 f"payloads this job lacks: {self.exchange.missing(pending, lacking)}"
             )
-        left = {r: pending.failed.get(r, "late: not within the grace window") for r in range(R)}
+        gone = "gone before it decided (its payload not counted)"
+        left = {
+            r: pending.failed.get(r, gone if r in passed else "late: not within the grace window")
+            for r in range(R)
+        }
         left = {r: why for r, why in left.items() if r not in participants}
         self._record(pending.label, participants, admitted, left)
         self.previous = tuple(sorted({*participants, *admitted}))

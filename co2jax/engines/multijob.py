@@ -36,6 +36,7 @@ Example (two shells; the same script with rank 0 and 1)::
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -50,7 +51,7 @@ from co2jax.axes import REPLICA
 from co2jax.comm import chunks
 from co2jax.comm.participation import clipped_mean
 from co2jax.comm.reducer import Encoded, values
-from co2jax.engines import jobstate, rejoin
+from co2jax.engines import jobstate, recovery, rejoin
 from co2jax.engines import walk as walker
 from co2jax.engines.drift import DriftError, check_drift, invariant_part
 from co2jax.engines.exchange import Exchange, PeerError, Peers
@@ -60,7 +61,7 @@ from co2jax.engines.membership import Membership
 from co2jax.engines.round import RoundTrainer, TrainState
 from co2jax.mesh import compiler_sharded, make_mesh
 from co2jax.protocol import OuterOptimizer, resolve
-from co2jax.tree import fingerprint
+from co2jax.tree import fingerprint, tree_all_finite
 
 STALE_WEIGHT = 2**-0.5
 """A carried payload's weight factor: ``1 / sqrt(1 + staleness)`` at staleness 1."""
@@ -188,6 +189,8 @@ class JobTrainer:
         self._join = jax.jit(self._join_chunks, static_argnums=2)
         self._apply = jax.jit(outer.apply, static_argnums=2)
         self._fingerprint = jax.jit(lambda s: fingerprint(invariant_part(s)))
+        self._finite = jax.jit(lambda encoded: tree_all_finite(values(encoded)))
+        self._restart = jax.jit(self._restart_poisoned)
         self._idle = None  # the local engines' (outer state, round): fixed, never read
         self._exchanges = 0
         self._next_steps, self._times = sync_every, []
@@ -214,6 +217,16 @@ class JobTrainer:
                 self.loss_fn, self.inner, no_sync(), self.mesh, steps, donate=False
             )
         return self._local[steps]
+
+    def _restart_poisoned(self, params, inner_state, outer_state):
+        """:func:`co2jax.engines.recovery.restart_poisoned` of this job (its parameters and
+        inner state carry the local engine's replica axis of 1)."""
+        one = lambda tree: jax.tree.map(lambda x: x[0], tree)
+        params, inner_state, outer_state = recovery.restart_poisoned(
+            one(params), one(inner_state), outer_state, self.inner.init, self.outer.init
+        )
+        two = lambda tree: jax.tree.map(lambda x: x[None], tree)
+        return two(params), two(inner_state), outer_state
 
     def _encoded_send(self, params, outer_state, i):
         payload, outer_state = self.outer.send(params, outer_state, i)
@@ -276,9 +289,14 @@ class JobTrainer:
         leaves, treedef = jax.tree.flatten(encoded)
         step = self._exchanges
         leaves = [jnp.asarray(x) for x in leaves]
-        framed = jobstate.frame(leaves, self.peers.rank, step, weight)
+        # checked on its values: a NaN can hide in an encoding's integer codes; a NaN weight
+        # tells the peers (jobstate.check_frame), and this job leaves its own out too
+        finite = bool(self._finite(encoded))
+        framed = jobstate.frame(leaves, self.peers.rank, step, weight if finite else math.nan)
         check = lambda peer, arrays: jobstate.check_frame(arrays, framed, peer, step)
         pending = self.exchange.start(step, framed, label, check)
+        if not finite:
+            pending.refuse_own(jobstate.NONFINITE)
         self._exchanges += 1
         return pending, treedef
 
@@ -358,6 +376,15 @@ class JobTrainer:
         job = JobRound(self, self._walk(n), batch, weight, state.fresh, f"round {state.round}")
         carry = walker.run(job.walk, job, JobCarry(local, state.outer_state))
         local, outer_state, record = carry.local, carry.outer_state, job.record
+        if self.transfers:  # a poisoned job restarts from the anchor (engines.recovery)
+            params, inner_state, outer_state = self._restart(
+                local.params, local.inner_state, outer_state
+            )
+            like = lambda new, ref: jax.device_put(new, ref.sharding)
+            local = local._replace(
+                params=jax.tree.map(like, params, local.params),
+                inner_state=jax.tree.map(like, inner_state, local.inner_state),
+            )
         losses, compute, wait = job.losses, job.compute, job.wait
         params = jax.block_until_ready(local.params)
         members = self.membership.previous if self.peers.tolerant else ()

@@ -45,7 +45,7 @@ from co2jax import compilation_cache
 from co2jax._checks import check_flag, check_transform
 from co2jax.axes import DATA, MODEL, REPLICA
 from co2jax.comm import policy
-from co2jax.comm.participation import check_participation, weighted
+from co2jax.comm.participation import check_participation, check_weighable, weighted
 from co2jax.comm.reducer import values
 from co2jax.engines import walk as walker
 from co2jax.engines.batches import check_batch, shapes_key
@@ -54,7 +54,7 @@ from co2jax.engines.layout import Layout, full_spec
 from co2jax.engines.program import RoundPlan, RoundProgram, check_spread, choose
 from co2jax.mesh import compiler_sharded, replica_map, warn_hybrid
 from co2jax.protocol import OuterOptimizer, resolve
-from co2jax.tree import tree_all_finite, tree_select, varying_like
+from co2jax.tree import varying_like
 
 REDUCER_CHOICES = policy.CHOICES
 
@@ -145,6 +145,9 @@ class RoundTrainer:
         for it (compiled kernels are).
       exclude_nonfinite: leave a replica whose payload has a NaN or an Inf out of that
         reduction (its weight 0, :mod:`co2jax.comm.participation`) instead of averaging it.
+        Needs an outer reduction and a replica-invariant anchor. Whatever the setting, a
+        replica whose state went non-finite restarts from the anchor at the round's end
+        (:mod:`co2jax.engines.recovery`).
       offload_outer_state: keep the outer state (anchor, momentum, payloads in flight,
         error-feedback residuals) in host memory (``memory_kind="pinned_host"``), moved to
         the accelerator for each outer send and apply and back after: the accelerator
@@ -208,7 +211,13 @@ class RoundTrainer:
         self.param_specs = param_specs
         self._donate = donate
         self._check_vma = bool(check_vma)
-        self.exclude_nonfinite = bool(exclude_nonfinite)
+        self.exclude_nonfinite = check_flag("exclude_nonfinite", exclude_nonfinite)
+        # a poisoned replica restarts from the shared anchor (co2jax.engines.recovery)
+        self.restarts = outer.recovers_nonfinite or (
+            bool(outer.schedule) and not outer.replica_local
+        )
+        if self.exclude_nonfinite:
+            check_weighable(outer, "exclude_nonfinite=True")
         self.split_payload = check_flag("split_payload", split_payload)
         self.has_aux = check_flag("has_aux", has_aux)
         self.offload_outer_state = check_flag("offload_outer_state", offload_outer_state)
@@ -360,8 +369,8 @@ class RoundTrainer:
         sums = varying_like(jnp.zeros((count, 3)), jax.lax.axis_index(REPLICA))
         start = Carry(params, inner, outer, sums, ((),) * count, model)
         carry = walker.run(plan.walk, driver, start)
-        if self.outer.recovers_nonfinite:
-            carry = carry._replace(inner_state=self._reset_nonfinite(carry))
+        if self.restarts:
+            carry = driver.restart_poisoned(carry, self.inner.init)
         norm, cos = jnp.float32(0), jnp.float32(0)
         if count:
             norm, cos = jnp.sqrt(jnp.sum(carry.sums[:, 0])), jnp.mean(cosine(carry.sums))
@@ -374,12 +383,6 @@ class RoundTrainer:
         )
         state = carry.params, carry.inner_state, carry.outer_state, rnd + 1, carry.model_state
         return *state, metrics
-
-    def _reset_nonfinite(self, c: Carry):
-        """The inner state, or ``inner.init`` of the parameters where it is not finite
-        (decided per replica, on its whole tensors)."""
-        fresh = varying_like(self.inner.init(c.params), c.inner_state)
-        return tree_select(tree_all_finite(c.inner_state), c.inner_state, fresh)
 
     def _plan(self, state: TrainState) -> tuple[RoundPlan, Specs]:
         one = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), t)
