@@ -48,7 +48,7 @@ SCENARIOS = (
 WARMUP = 3
 
 
-def _ports(n: int) -> str:
+def loopback_addresses(n: int) -> str:
     with contextlib.ExitStack() as stack:
         socks = [stack.enter_context(socket.socket()) for _ in range(n)]
         for s in socks:
@@ -56,10 +56,20 @@ def _ports(n: int) -> str:
         return ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in socks)
 
 
-def _rows(path: Path) -> list[dict]:
+def json_lines(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def progress_rows(path: Path) -> list[dict]:
+    """A job's progress rows, one per round it completed (every run of it, in order)."""
+    return [row for row in json_lines(path) if "round" in row]
+
+
+def final_anchors(path: Path) -> list[int]:
+    """The fingerprints of the anchors a job ended with (one per run that finished)."""
+    return [row["final"] for row in json_lines(path) if "final" in row]
 
 
 class Run:
@@ -69,7 +79,7 @@ class Run:
         self.name, self.args, self.out = name, args, out / name
         shutil.rmtree(self.out, ignore_errors=True)
         self.out.mkdir(parents=True)
-        self.peers = _ports(args.replicas)
+        self.peers = loopback_addresses(args.replicas)
         self.procs: dict[int, subprocess.Popen] = {}
         self.restarts = self.kills = self.late_rejoins = self.killed_at = 0
         self.env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
@@ -110,12 +120,12 @@ class Run:
             self.kill(rank)
 
     def done(self) -> int:
-        return len(_rows(self.progress(0)))
+        return len(progress_rows(self.progress(0)))
 
     def _due(self, at: int) -> bool:
         """Rank 0 has done ``at`` rounds, and ``--kill-every`` since the last kill, and (with
         a quorum of R - 1: one down at a time) two rounds in a row with every replica since."""
-        rows = _rows(self.progress(0))
+        rows = progress_rows(self.progress(0))
         if len(rows) < max(at, self.killed_at + self.args.kill_every):
             return False
         every = [list(range(self.args.replicas))]
@@ -179,7 +189,7 @@ class Run:
 
     def summary(self) -> dict:
         R = self.args.replicas
-        logs = {r: _rows(self.progress(r)) for r in range(R)}
+        logs = {r: progress_rows(self.progress(r)) for r in range(R)}
         last = {}  # (rank, round) -> the row of the run that counted (a redone round: the last)
         for r, rows in logs.items():
             for row in rows:

@@ -15,6 +15,13 @@ model and data, this replica's stream) and appends one JSON line per round to
   baseline's global restart;
 - ``dylu``: strict, with ``dylu=True``.
 
+``--pad-s S`` pads every round's inner steps to at least S seconds (a sleep after the
+round, standing for compute a bigger model would take; ``benchmarks/goodput.py``), and
+``--cache-dir D`` turns on JAX's persistent compilation cache there (a job's mesh is one
+device: safe, ``co2jax.compilation_cache``), so a restarted job loads its programs instead
+of compiling them. The last line of ``--progress`` is ``{"final": ...}``: the fingerprint
+of the anchor the job ends with (``co2jax.fingerprint``).
+
 ``--slow F`` makes this job F times slower: after its inner steps it sleeps (F - 1) times
 their duration, and it reports F times its measured time per step to DyLU (the previous
 round's, as DyLU uses).
@@ -47,10 +54,18 @@ def main(argv=None) -> None:
     parser.add_argument("--ckpt", default=None, help="strict: a checkpoint folder per round")
     parser.add_argument("--restore-round", type=int, default=None, help="strict: restart here")
     parser.add_argument("--progress", required=True)
+    parser.add_argument("--pad-s", type=float, default=0.0, help="each round at least this")
+    parser.add_argument("--cache-dir", default=None, help="JAX's persistent compilation cache")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+    import jax
     import numpy as np
+
+    if args.cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
     import co2jax
     from benchmarks.slowlink_job import build
@@ -91,6 +106,8 @@ def main(argv=None) -> None:
             continue
         if args.slow > 1:  # slower hardware: the steps take F times as long
             time.sleep((args.slow - 1) * m.compute_s)
+        if args.pad_s > m.compute_s:  # a bigger model's compute (the wait is not padded)
+            time.sleep(args.pad_s - m.compute_s)
         step_time = args.slow * m.compute_s / m.steps
         if ckpt is not None:
             trainer.save(str(ckpt / f"round_{k + 1}_{args.rank}"), state)
@@ -100,13 +117,17 @@ def main(argv=None) -> None:
             "end": time.time(),
             "steps": m.steps,
             "compute_s": m.compute_s,
+            "wait_s": m.wait_s,
             "participants": [list(p) for p in m.participants],
             "carried": [list(c) for c in m.carried],
+            "admitted": list(m.admitted),
             "loss": float(np.mean(m.losses)),
             "tokens_per_step": int(np.prod(batch.shape[1:])),
         }
         log.write(json.dumps(row) + "\n")
         log.flush()
+    log.write(json.dumps({"final": int(co2jax.fingerprint(state.params))}) + "\n")
+    log.flush()
     time.sleep(3.0)  # the last payloads stay offered while slower peers pull them
     os._exit(0)
 
