@@ -47,6 +47,64 @@ def test_the_learning_rate_schedules_are_the_formulas():
     np.testing.assert_allclose([float(ramp(s)) for s in range(5)], [0, 0.3, 0.6, 0.9, 0.9])
 
 
+def test_momentum_warm_up_and_decay_are_the_formula():
+    """Linear from 0 over W steps, mu, then linear to mu_final over the last D steps before
+    outer step `rounds` (the learning-rate decay's convention)."""
+    mu = osched.momentum_schedule(0.9, warmup=3, decay=4, final=0.1, rounds=12)
+    want = [0.9 * min(s, 3) / 3 if s < 8 else 0.9 + (0.1 - 0.9) * min(s - 8, 4) / 4
+            for s in range(14)]  # fmt: skip
+    np.testing.assert_allclose([float(mu(s)) for s in range(14)], want, rtol=1e-6, atol=1e-7)
+    decay_only = osched.momentum_schedule(0.8, decay=2, rounds=4)
+    np.testing.assert_allclose([float(decay_only(s)) for s in range(5)], [0.8, 0.8, 0.8, 0.4, 0])
+
+
+def _warmup_decay(mu, warmup, decay, final, rounds):
+    return lambda s: (
+        mu * min(s, warmup) / warmup if s < rounds - decay and warmup
+        else mu if s < rounds - decay
+        else mu + (final - mu) * (s - (rounds - decay)) / decay
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("restart", [0, 3])
+def test_momentum_schedules_and_restarts_are_the_loop(restart):
+    """DiLoCo (R = 4) with a momentum warm-up, a decay over the last rounds, and restarts of
+    the momentum buffer every 3 outer steps (or none), from the registry's config, equal to
+    the numpy loop; the restarts change the trajectory."""
+    problem = tb.make_problem(replicas=4, examples=2, dim=16, seed=8)
+    fields = dict(learning_rate=0.8, momentum=0.9, momentum_warmup=2, momentum_decay=3,
+                  momentum_final=0.3, momentum_restart=restart)  # fmt: skip
+    got, _ = harness.run_vmap(_build(problem, **fields), problem, LR, H, ROUNDS)
+    mu = _warmup_decay(0.9, 2, 3, 0.3, ROUNDS)
+    want = tb.diloco_scheduled(problem, LR, H, ROUNDS, lambda s: 0.8, mu, restart_every=restart)
+    np.testing.assert_allclose(got, want, **TOL)
+    if restart:
+        other = tb.diloco_scheduled(problem, LR, H, ROUNDS, lambda s: 0.8, mu)
+        assert np.abs(other[-1] - want[-1]).max() > 1e-3
+
+
+def test_a_restart_every_step_is_sgd_at_one_plus_mu_times_the_rate():
+    problem = tb.make_problem(replicas=4, examples=2, dim=16, seed=9)
+    restarted = _build(problem, learning_rate=0.5, momentum=0.6, momentum_restart=1)
+    plain = _build(problem, learning_rate=0.5 * 1.6, momentum=0.0)
+    got, _ = harness.run_vmap(restarted, problem, LR, H, ROUNDS)
+    want, _ = harness.run_vmap(plain, problem, LR, H, ROUNDS)
+    np.testing.assert_allclose(got, want, **TOL)
+    assert fusable_of(osched.outer_transform("sgd", 0.5, 0.6, restart_every=1)) is None
+
+
+def test_momentum_restarts_run_in_the_round_engine():
+    """The round engine (4 x 2 mesh) with restarts every 2 outer steps: the loop's anchors."""
+    problem = tb.make_problem(replicas=4, examples=2, dim=16, seed=10)
+    trainer, state, batch = _engine_round(problem, momentum=0.9, momentum_restart=2)
+    got = []
+    for _ in range(4):
+        state, _ = trainer.round(state, batch)
+        got.append(np.asarray(harness.flatten(jax.device_get(state.params)), np.float64))
+    want = tb.diloco_scheduled(problem, LR, H, 4, lambda s: 0.7, lambda s: 0.9, restart_every=2)
+    np.testing.assert_allclose(np.stack(got), want, **TOL)
+
+
 def test_constants_stay_fusable_and_schedules_do_not():
     assert fusable_of(osched.outer_transform("sgd", 0.7, 0.9)) is not None
     lr = osched.learning_rate_schedule(0.7, warmup=2)
@@ -184,6 +242,14 @@ def test_outer_hyperparameters_in_the_state_make_one_program_for_every_value():
         (dict(algorithm="co2", lr_warmup=3), "outer.lr_warmup=3: co2 has no such setting"),
         (dict(algorithm="noloco", optimizer="adam"), "outer.optimizer='adam': noloco has no"),
         (dict(rounds=4, lr_schedule="cosine", lr_warmup=4), "outer.lr_warmup=4: must be < train"),
+        (dict(momentum_decay=-1), "outer.momentum_decay=-1: must be >= 0"),
+        (dict(momentum_restart=-2), "outer.momentum_restart=-2: must be >= 0"),
+        (dict(momentum_decay=2, momentum_final=1.0), "outer.momentum_final=1.0: must be in"),
+        (dict(momentum_final=0.5), "outer.momentum_final=0.5: ignored unless outer.momentum_d"),
+        (dict(momentum_restart=3, optimizer="adam"), "outer.momentum_restart=3: restarts SGD"),
+        (dict(momentum_restart=3, momentum=0.0), "outer.momentum_restart=3: restarts SGD"),
+        (dict(rounds=5, momentum_warmup=3, momentum_decay=3), "outer.momentum_decay=3: with mo"),
+        (dict(algorithm="co2", momentum_restart=2), "outer.momentum_restart=2: co2 has no such"),
     ],
 )
 def test_bad_outer_fields(fields, match):

@@ -57,6 +57,8 @@ NUMERIC = {
     "outer.momentum": ["1", "-0.5", "nan"],
     "outer.lr_warmup": ["-1"],
     "outer.lr_final": ["1.5", "-0.1"],
+    "outer.momentum_decay": ["-1", "3"],  # micro runs 2 rounds
+    "outer.momentum_restart": ["-1"],
     "outer.beta2": ["1", "-0.1"],
 }
 FRAGMENTED = {a: ["outer.tau=0"] for a in ("streaming_diloco", "cocodc")}  # micro: H // P = 1

@@ -92,11 +92,14 @@ def diloco_nesterov(problem, lr, H, rounds, eta, mu, delay=0):
     return np.array(out)
 
 
-def diloco_scheduled(problem, lr, H, rounds, eta, mu, nesterov=True):
+def diloco_scheduled(problem, lr, H, rounds, eta, mu, nesterov=True, restart_every=0):
     """DiLoCo with the outer hyper-parameters of outer step s: eta(s), mu(s) (functions).
-    b <- mu_s*b + g; theta <- theta - eta_s*(g + mu_s*b) (Nesterov) or - eta_s*b."""
+    b <- mu_s*b + g; theta <- theta - eta_s*(g + mu_s*b) (Nesterov) or - eta_s*b; with
+    ``restart_every`` = S, b <- 0 before outer step s when s > 0 and s % S == 0."""
     anchor, b, out = problem.theta0.copy(), 0.0, []
     for s in range(rounds):
+        if restart_every and s > 0 and s % restart_every == 0:
+            b = 0.0
         g = _avg_pseudo_gradient(problem, anchor, lr, H)
         b = mu(s) * b + g
         anchor = anchor - eta(s) * ((g + mu(s) * b) if nesterov else b)

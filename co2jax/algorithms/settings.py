@@ -165,15 +165,34 @@ class OuterStep(StepSize):
     lr_warmup: int = setting(0, "outer steps of linear learning-rate warm-up from 0")
     lr_final: float = setting(0.0, "the decayed learning rate at the last round (a fraction)")
     momentum_warmup: int = setting(0, "outer steps of linear momentum ramp from 0")
+    momentum_decay: int = setting(0, "last outer steps of linear momentum decay to momentum_final")
+    momentum_final: float = setting(0.0, "the outer momentum at the end of momentum_decay")
+    momentum_restart: int = setting(0, "zero the outer momentum every this many outer steps")
     beta2: float = setting(0.99, "outer Adam's second-moment decay (optimizer adam)")
     lr_in_state: bool = setting(
         False, "learning rate and momentum as optimizer state: one program for a sweep of them"
     )
 
     def check(self, bounds: Bounds) -> None:
-        for name in ("lr_warmup", "momentum_warmup"):
+        for name in ("lr_warmup", "momentum_warmup", "momentum_decay", "momentum_restart"):
             if getattr(self, name) < 0:
                 fail(name, getattr(self, name), "must be >= 0 (outer steps)")
+        if not 0 <= self.momentum_final < 1:
+            fail("momentum_final", self.momentum_final, "must be in [0, 1)")
+        self.unless("momentum_final", self.momentum_decay > 0, "outer.momentum_decay > 0")
+        if self.momentum_restart and (self.optimizer != "sgd" or self.momentum == 0):
+            fail(
+                "momentum_restart",
+                self.momentum_restart,
+                "restarts SGD's momentum: needs outer.optimizer='sgd' and outer.momentum > 0",
+            )
+        if bounds.rounds is not None and self.momentum_warmup + self.momentum_decay > bounds.rounds:
+            fail(
+                "momentum_decay",
+                self.momentum_decay,
+                f"with momentum_warmup={self.momentum_warmup} must fit in "
+                f"train.rounds={bounds.rounds}",
+            )
         if not 0 <= self.lr_final <= 1:
             fail("lr_final", self.lr_final, "must be in [0, 1] (a fraction of learning_rate)")
         if not 0 <= self.beta2 < 1:
@@ -205,7 +224,13 @@ class OuterStep(StepSize):
             rounds=context.rounds,
             final=self.lr_final,
         )
-        momentum = momentum_schedule(self.momentum, self.momentum_warmup)
+        momentum = momentum_schedule(
+            self.momentum,
+            self.momentum_warmup,
+            decay=self.momentum_decay,
+            final=self.momentum_final,
+            rounds=context.rounds,
+        )
         return outer_transform(
             self.optimizer,
             lr,
@@ -213,6 +238,7 @@ class OuterStep(StepSize):
             nesterov=self.nesterov,
             b2=self.beta2,
             in_state=self.lr_in_state,
+            restart_every=self.momentum_restart,
         )
 
 
