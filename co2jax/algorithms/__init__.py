@@ -10,6 +10,7 @@ from co2jax.algorithms.diloco import delayed_diloco, diloco, eager_diloco, snoo
 from co2jax.algorithms.diloco_x import adapt, diloco_x, exchange_seconds
 from co2jax.algorithms.error_feedback import ErrorFeedbackState, error_feedback
 from co2jax.algorithms.fused import FusableTransformation, outer_sgd
+from co2jax.algorithms.gpa import GPAState, gpa, gpa_eval_params
 from co2jax.algorithms.guards import SkipNonfiniteState, skip_nonfinite
 from co2jax.algorithms.local_sgd import local_sgd
 from co2jax.algorithms.low_rank import LowRankState, carry_over, low_rank
@@ -60,6 +61,9 @@ __all__ = [
     "skip_nonfinite",
     "slowmo",
     "snoo",
+    "gpa",
+    "gpa_eval_params",
+    "GPAState",
     "sparseloco",
     "streaming_diloco",
 ]
