@@ -144,9 +144,14 @@ def check_weights(name: str, weights, replicas: int) -> np.ndarray:
     return w.astype(np.float32)
 
 
+def weighable(outer) -> bool:
+    """``outer``'s reductions can weigh replicas: it has outer transfers and a
+    replica-invariant anchor."""
+    return bool(outer.schedule) and not outer.replica_local
+
+
 def check_weighable(outer, what: str) -> None:
-    """Raises ``ValueError`` (naming ``what``) unless ``outer``'s reductions can weigh
-    replicas: it has outer transfers and a replica-invariant anchor."""
+    """Raises ``ValueError`` (naming ``what``) unless :func:`weighable`."""
     if not outer.schedule:
         raise ValueError(
             f"{what}: needs an outer reduction; this outer optimizer has none (its replicas "

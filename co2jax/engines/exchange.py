@@ -187,6 +187,14 @@ class Pending:
         self.gone: set[int] = set()  # peers whose pull failed (not a payload refused)
         self.cond = threading.Condition()
 
+    def gone_peer(self, peer: int, reason: str) -> None:
+        """``peer`` failed because it is gone (its link broke, or nothing answers at its
+        address), not because its payload was refused."""
+        with self.cond:
+            self.failed[peer] = reason
+            self.gone.add(peer)
+            self.cond.notify_all()
+
     def refuse_own(self, reason: str) -> None:
         """Leaves this job's own payload out (``reason``: why), as its peers leave it out."""
         with self.cond:
@@ -341,8 +349,7 @@ class Exchange:
         self._returned()
         pending = Pending(step, label or f"exchange {step}", rank, leaves)
         for peer in self.away:
-            pending.failed[peer] = "gone: its server refused a connection, or its link broke"
-            pending.gone.add(peer)
+            pending.gone_peer(peer, "gone: its server refused a connection, or its link broke")
         self.publish("payload", step, leaves, range(replicas))
 
         def pull(peer: int) -> None:
@@ -350,15 +357,14 @@ class Exchange:
                 arrays = self.pull("payload", step, peer, leaves)
                 reason = check(peer, arrays) if check is not None else None
             except Exception as e:  # the connection broke: the peer is gone
-                arrays, reason = None, f"pulling its payload failed: {e}"
                 self.lost(peer)
+                pending.gone_peer(peer, f"pulling its payload failed: {e}")
+                return
             with pending.cond:
                 if reason is None:
                     pending.got[peer] = arrays
                 else:
                     pending.failed[peer] = reason
-                    if arrays is None:
-                        pending.gone.add(peer)
                 pending.cond.notify_all()
 
         for peer in range(replicas):
@@ -387,8 +393,7 @@ class Exchange:
                     if now >= probe_at:
                         for r in silent:
                             if not self.reachable(r, PROBE_EVERY_S):
-                                pending.failed[r] = "unreachable: its process is gone"
-                                pending.gone.add(r)
+                                pending.gone_peer(r, "unreachable: its process is gone")
                                 self.lost(r)
                         probe_at = now + PROBE_EVERY_S
                         continue

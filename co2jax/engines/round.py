@@ -45,7 +45,12 @@ from co2jax import compilation_cache
 from co2jax._checks import check_flag, check_transform
 from co2jax.axes import DATA, MODEL, REPLICA
 from co2jax.comm import policy
-from co2jax.comm.participation import check_participation, check_weighable, weighted
+from co2jax.comm.participation import (
+    check_participation,
+    check_weighable,
+    weighable,
+    weighted,
+)
 from co2jax.comm.reducer import values
 from co2jax.engines import walk as walker
 from co2jax.engines.batches import check_batch, shapes_key
@@ -213,9 +218,7 @@ class RoundTrainer:
         self._check_vma = bool(check_vma)
         self.exclude_nonfinite = check_flag("exclude_nonfinite", exclude_nonfinite)
         # a poisoned replica restarts from the shared anchor (co2jax.engines.recovery)
-        self.restarts = outer.recovers_nonfinite or (
-            bool(outer.schedule) and not outer.replica_local
-        )
+        self.restarts = outer.recovers_nonfinite or weighable(outer)
         if self.exclude_nonfinite:
             check_weighable(outer, "exclude_nonfinite=True")
         self.split_payload = check_flag("split_payload", split_payload)
