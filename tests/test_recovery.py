@@ -93,11 +93,17 @@ def test_a_poisoned_replica_takes_part_again_in_the_next_round(problem, mesh, de
     assert np.abs(want[-1] - other[-1]).max() > 1e-3  # taking part again changes the anchor
 
 
-def test_a_poisoned_replicas_error_feedback_restarts_at_zero(problem, mesh):
+@pytest.mark.parametrize(
+    "layout", [{}, {"shard_outer_state": True}, {"fsdp": True}], ids=["whole", "sharded", "fsdp"]
+)
+def test_a_poisoned_replicas_error_feedback_restarts_at_zero(problem, mesh, layout):
     """SparseLoCo (top-k with error feedback): the poisoned replica's residual restarts at 0
-    and its payloads of the later rounds are averaged again (the textbook loop's anchors)."""
+    and its payloads of the later rounds are averaged again (the textbook loop's anchors),
+    with the outer state whole, split over data, and parameters split too (FSDP)."""
     outer, inner = _unguarded("sparseloco", problem)
-    trainer = co2jax.RoundTrainer(engine_loss, inner, outer, mesh, H, exclude_nonfinite=True)
+    trainer = co2jax.RoundTrainer(
+        engine_loss, inner, outer, mesh, H, exclude_nonfinite=True, **layout
+    )
     got, losses, state = _run(trainer, problem, [BAD])
     _taken_part_again(losses, got)
     want = tm.sparseloco(problem, LR, H, ROUNDS, 1.0, 0.95, 4, 8, [[1] * 4] * ROUNDS, {BAD})
