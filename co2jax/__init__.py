@@ -44,6 +44,7 @@ from co2jax.algorithms import (
     dct_diloco,
     delayed_diloco,
     demo,
+    desloc,
     diloco,
     diloco_x,
     eager_diloco,
@@ -63,6 +64,7 @@ from co2jax.algorithms import (
     slowmo,
     snoo,
     sparseloco,
+    sparta,
     streaming_diloco,
 )
 from co2jax.axes import DATA, MODEL, REPLICA
@@ -128,6 +130,7 @@ __all__ = [
     "data_parallel",
     "dct_diloco",
     "demo",
+    "desloc",
     "delayed_diloco",
     "diloco",
     "diloco_x",
@@ -162,5 +165,6 @@ __all__ = [
     "gpa_eval_params",
     "GPAState",
     "sparseloco",
+    "sparta",
     "streaming_diloco",
 ]

@@ -212,10 +212,13 @@ def _entropy(rows: list[dict]) -> float | None:
 
 
 FAMILIES = (
-    ("synchronous and periodic", ("ddp", "local_sgd", "slowmo", "diloco")),
+    ("synchronous and periodic", ("ddp", "local_sgd", "slowmo", "diloco", "desloc")),
     ("delayed and eager", ("delayed_diloco", "eager_diloco", "co2", "cocodc")),
     ("streaming", ("streaming_diloco",)),
-    ("compressed, sparse and gossip", ("sparseloco", "demo", "dct_diloco", "diloco_x", "noloco")),
+    (
+        "compressed, sparse and gossip",
+        ("sparseloco", "demo", "dct_diloco", "diloco_x", "noloco", "sparta", "sparta_diloco"),
+    ),
 )
 """The plots' facets: each row in its algorithm's family, a compressed payload
 (``outer.compression``) among the compressed; any other algorithm in a facet of its own."""

@@ -163,7 +163,7 @@ def _plan(algorithm: str, H: int, fragments: int, tau: int, group_size: int, R: 
     context = registry.Context(H, leaves, 0.1, num_replicas=R)
     outer = registry.build(settings, context)
     mesh = co2jax.make_mesh(replica=1, data=1, devices=jax.devices()[:1])
-    inner = registry.inner(settings, optax.sgd(0.1), 0.1)
+    inner = registry.inner(settings, optax.sgd(0.1, momentum=0.9), 0.1, sync_every=H)
     try:
         jobstate.check_inner_is_local(inner, leaves, mesh, co2jax.REPLICA)
         every_step = False
@@ -183,6 +183,7 @@ def simulated_round_s(
     tau: int = 0,
     exchange: str = "ring",
     group_size: int = 2,
+    step_payload_bytes: float | None = None,
 ) -> float:
     """Simulated seconds of one round (H inner steps and its transfers): the project's cost
     model, pricing ``algorithm``'s own schedule (:func:`co2jax.engines.walk.round_seconds`).
@@ -195,8 +196,9 @@ def simulated_round_s(
     round; a fragment: ``tau`` steps) hides behind the compute in between, which it slows by
     ``link.overlap_slowdown``. A reducer that reaches only a group (NoLoCo's gossip) sends
     the payload to its ``group_size - 1`` group mates (:meth:`Link.permute_s`), whatever R
-    is. An inner transform that communicates every step (DDP, DeMo) exchanges
-    ``payload_bytes`` before every step's update, waited for.
+    is. An inner transform that communicates every step (DDP, DeMo, SPARTA) exchanges
+    ``step_payload_bytes`` (default ``payload_bytes``) before every step's update, waited
+    for; SPARTA-DiLoCo has both kinds.
     """
     if exchange not in ("ring", "all_to_all"):
         raise ValueError(f"exchange must be 'ring' or 'all_to_all', got exchange={exchange!r}")
@@ -208,7 +210,8 @@ def simulated_round_s(
         each = [cost(payload_bytes / max(len(transfers), 1), R)] * len(transfers)
     if every_step:  # the inner transform's exchange at every step boundary
         transfers = (*transfers, *(Transfer(k, k) for k in range(1, H + 1)))
-        each = [*each, *([cost(payload_bytes, R)] * H)]
+        step_bytes = payload_bytes if step_payload_bytes is None else step_payload_bytes
+        each = [*each, *([cost(step_bytes, R)] * H)]
     return round_seconds(walk(transfers, H), step_s, each, link.overlap_slowdown)
 
 
@@ -224,8 +227,14 @@ def summarise(label, cfg, history, entropy, link, run_s) -> dict:
     fragments, tau = getattr(o, "fragments", 1), getattr(o, "tau", 0)
     group_size = getattr(o, "group_size", 2)
     _, reach, every_step = _plan(o.algorithm, H, fragments, tau, group_size, R)
-    reductions = H if every_step else 1
-    payload = per_round / reductions / (2 * (R - 1) / R) if R > 1 else 0.0
+    ring = 2 * (R - 1) / R if R > 1 else 0.0
+    per = lambda total: total / ring if ring else 0.0
+    step_payload = None
+    if every_step and "bytes_inner" in history[-1]:  # the inner steps' and the transfers'
+        inner = float(np.mean([r["bytes_inner"] for r in history]))
+        payload, step_payload = per(per_round - inner), per(inner / H)
+    else:  # a record without the split: all in the every-step exchange, or all in transfers
+        payload = per(per_round / (H if every_step else 1))
     if reach == "group":
         payload = per_round  # sent to the group mates, not a ring's traffic
     sim = simulated_round_s(
@@ -238,6 +247,7 @@ def summarise(label, cfg, history, entropy, link, run_s) -> dict:
         fragments,
         tau,
         group_size=group_size,
+        step_payload_bytes=step_payload,
     )
     evals = [(r["tokens"], r["eval_loss"]) for r in history if "eval_loss" in r]
     return {

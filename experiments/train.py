@@ -249,7 +249,9 @@ def build_trainer(cfg: config_lib.Config, mesh, graphdef, params) -> tuple[Any, 
     else:
         schedule = optax.linear_schedule(0.0, i.learning_rate, max(i.warmup_steps, 1))
     inner = optax.adamw(schedule, b1=i.b1, b2=i.b2, weight_decay=i.weight_decay)
-    inner = registry.inner(cfg.outer, inner, schedule)  # DDP averages gradients; DeMo replaces it
+    inner = registry.inner(
+        cfg.outer, inner, schedule, cfg.train.sync_every
+    )  # DDP averages gradients; DeMo replaces it
     outer = build_outer(cfg.outer, t.sync_every, schedule, params, rounds=t.rounds)
     # Pallas' interpreter is not typed for shard_map's varying-axis check (docs/kernels.md)
     check_vma = getattr(cfg.outer, "implementation", "auto") != "interpret"
@@ -388,8 +390,10 @@ def train_validated(
                 metrics = jax.device_get(metrics)
                 seconds = time.perf_counter() - began
                 bytes_round = float(np.asarray(metrics.bytes_communicated)[0])
-                if every_step:  # DDP and DeMo communicate in every inner step
-                    bytes_round = H * step_bytes(cfg.outer, run.params, R)
+                bytes_inner = 0.0  # DDP, DeMo, SPARTA communicate in every inner step too
+                if every_step:
+                    bytes_inner = H * step_bytes(cfg.outer, run.params, R, H)
+                bytes_round += bytes_inner
                 bytes_total += bytes_round
                 loss = np.asarray(metrics.loss)
                 record = {
@@ -399,6 +403,7 @@ def train_validated(
                     "train_loss_last": float(loss[:, -1].mean()),
                     "train_loss_per_replica": [float(x) for x in loss.mean(axis=1)],
                     "bytes_round": bytes_round,
+                    "bytes_inner": bytes_inner,
                     "bytes_total": bytes_total,
                     "pseudo_gradient_norm": float(np.asarray(metrics.pseudo_gradient_norm).mean()),
                     "cosine_to_mean": float(np.asarray(metrics.cosine_to_mean).mean()),
@@ -410,10 +415,7 @@ def train_validated(
                         state, getattr(cfg.outer, "clip_threshold", None)
                     ),
                     "penalty_scale": round_stats.penalty_scale(state),
-                    "collective": "in the inner transform (every step)"
-                    if every_step
-                    else f"{trainer.program(state).reducer_kind} "
-                    f"({len(trainer.transfers)} per round)",
+                    "collective": _collectives(trainer, state, every_step),
                     "overlapped": trainer.outer.overlapped,
                 }
                 last = k + 1 == t.rounds
@@ -468,6 +470,16 @@ def _help_algorithm(argv: list[str]) -> str:
     ]
     known = [a for a in typed if a in registry.REGISTRY]
     return known[-1] if known else config_lib.DEFAULT_ALGORITHM
+
+
+def _collectives(trainer, state, every_step: bool) -> str:
+    """Where a round's exchanges happen: in the inner steps, in the outer transfers, or both
+    (SPARTA-DiLoCo); an empty schedule with a local inner transform says so."""
+    where = ["in the inner transform (every step)"] if every_step else []
+    if trainer.transfers:
+        kind = trainer.program(state).reducer_kind
+        where.append(f"{kind} ({len(trainer.transfers)} per round)")
+    return " and ".join(where) or "none"
 
 
 def main(argv: list[str] | None = None) -> None:

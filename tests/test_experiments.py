@@ -261,6 +261,10 @@ def test_cost_model():
     assert sweep_rows.simulated_round_s("co2", 0.1, 10, 1e9 / 8, 2, link) == pytest.approx(1.0)
     assert sweep_rows.simulated_round_s("co2", 0.05, 10, 1e9 / 8, 2, link) == pytest.approx(1.0)
     assert sweep_rows.simulated_round_s("ddp", 0.1, 10, 1e9 / 8, 2, link) == pytest.approx(11.0)
+    # SPARTA-DiLoCo: a 0.1 s exchange after each of the 10 steps, the 1 s round all-reduce
+    sparta = sweep_rows.simulated_round_s("sparta_diloco", 0.1, 10, 1e9 / 8, 2, link, 1, 0,
+                                          step_payload_bytes=1e8 / 8)  # fmt: skip
+    assert sparta == pytest.approx(1.0 + 10 * 0.1 + 1.0)
     slow = dataclasses.replace(link, overlap_slowdown=0.2)
     assert sweep_rows.simulated_round_s("co2", 0.1, 10, 1e9 / 8, 2, slow) == pytest.approx(1.2)
     # the documented path (benchmarks, docs/performance.md): experiments.compare's names

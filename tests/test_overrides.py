@@ -103,6 +103,7 @@ CHOICE = [  # the string fields with a fixed set of values (outer: of some algor
     "outer.average",
     "outer.correction",
     "outer.factors",
+    "outer.selector",
 ]
 CO2 = ["outer.algorithm=co2"]
 # (overrides, the key the error must name)

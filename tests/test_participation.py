@@ -138,9 +138,12 @@ def _subset(problem, idx):
 
 
 def _maskable(name: str) -> bool:
-    """An outer reduction and a replica-invariant anchor (what participation needs)."""
+    """An outer reduction, a replica-invariant anchor and an inner transform that does not
+    communicate (what participation needs)."""
     outer, _ = harness.registered(name, tb.make_problem(replicas=4, dim=16), LR, H)
-    return bool(outer.schedule) and not outer.replica_local
+    algorithm = tb.VARIANTS[name][0] if name in tb.VARIANTS else name
+    every_step = registry.capabilities(algorithm).every_step
+    return bool(outer.schedule) and not outer.replica_local and not every_step
 
 
 NAMES = (*registry.NAMES, *tb.VARIANTS)
@@ -172,12 +175,14 @@ def test_a_replica_left_out_every_round_is_the_textbook_loop_without_it(name, pr
 
 
 def test_replica_local_algorithms_and_inner_only_ones_refuse_weights(problem, mesh):
-    assert {"eager_diloco", "noloco", "dct_diloco", "ddp", "demo"} == set(REFUSED)
+    every_step = {"ddp", "demo", "sparta", "sparta_diloco", "sparta[bernoulli]", "desloc"}
+    assert {"eager_diloco", "noloco", "dct_diloco", *every_step} == set(REFUSED)
     for name in REFUSED:
         outer, inner = harness.registered(name, problem, LR, H)
         trainer = co2jax.RoundTrainer(engine_loss, inner, outer, mesh, H)
         state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
-        with pytest.raises(ValueError, match=r"replica-local anchors|needs an outer reduction"):
+        why = r"replica-local anchors|needs an outer reduction|communicates over 'replica'"
+        with pytest.raises(ValueError, match=why):
             trainer.round(state, textbook_batch(problem, H), weights=[1, 1, 0, 1])
 
 

@@ -374,6 +374,37 @@ def _diloco_x_registered(problem, lr, H, rounds):
     return diloco_x(problem, lr, H, rounds, 0.5, 0.5, shapes, 32, ())[0]
 
 
+def _sparta_draw(fraction, selector="indices", seed=0):
+    """The entries SPARTA averages, as co2jax draws them (JAX's PRNG: the rule's randomness)."""
+    from co2jax.algorithms.sparta import sparta_indices, sparta_mask
+
+    def draw(t, leaf, n):
+        if selector == "bernoulli":
+            return np.flatnonzero(np.asarray(sparta_mask(seed, t, leaf, (n,), fraction)))
+        idx = sparta_indices(seed, t, leaf, n, fraction)
+        return None if idx is None else np.asarray(idx)
+
+    return draw
+
+
+def _sparta_registered(outer=None, every=1, selector="indices"):
+    from textbook_sparta import sparta
+
+    def loop(problem, lr, H, rounds):
+        sizes = (2, problem.d.shape[1] - 2)  # tests/harness.py's leaves b and w
+        draw = _sparta_draw(0.25, selector)
+        return sparta(problem, lr, H, rounds, draw, sizes, every=every, outer=outer)
+
+    return loop
+
+
+def _desloc_registered(problem, lr, H, rounds):
+    from textbook_desloc import desloc_adam
+
+    # Adam inside (tests/harness.py::INNER); first moments every round, second every two
+    return desloc_adam(problem, lr, H, rounds, H, 2 * H, b1=0.9, b2=0.95)
+
+
 REGISTERED = {
     "ddp": ({}, data_parallel_sgd),
     "local_sgd": ({}, local_sgd),
@@ -430,6 +461,14 @@ REGISTERED = {
         {"learning_rate": 0.7, "momentum": 0.5, "group_size": 2},
         lambda p, lr, H, rounds: noloco(p, lr, H, rounds, 0.7, 0.5, 2),
     ),
+    # a quarter of each leaf every step (w: 4 of 14 entries; b: 1 of 2), drawn with replacement
+    "sparta": ({"fraction": 0.25}, _sparta_registered()),
+    "sparta_diloco": (
+        {"fraction": 0.25, "learning_rate": 0.7, "momentum": 0.9},
+        _sparta_registered(outer=(0.7, 0.9)),
+    ),
+    # Adam moments averaged on their own periods (1 and 2 rounds), parameters every round
+    "desloc": ({"first_moment_every": 1, "second_moment_every": 2}, _desloc_registered),
 }
 
 
@@ -446,6 +485,12 @@ VARIANTS = {
         "sparseloco",
         {"learning_rate": 1.0, "decay": 0.95, "topk": 4, "chunk": 16, "quantizer": "production"},
         _sparseloco_production_registered,
+    ),
+    # SPARTA's released law (independent entries), averaged on every other step
+    "sparta[bernoulli]": (
+        "sparta",
+        {"fraction": 0.25, "selector": "bernoulli", "every": 2},
+        _sparta_registered(every=2, selector="bernoulli"),
     ),
 }
 

@@ -6,6 +6,7 @@ from co2jax.algorithms.cocodc import CoCoDCState, cocodc
 from co2jax.algorithms.data_parallel import NoSyncState, data_parallel, no_sync
 from co2jax.algorithms.dct_diloco import DCTDiLoCoState, dct_diloco
 from co2jax.algorithms.demo import DeMoState, demo
+from co2jax.algorithms.desloc import DESLocState, desloc
 from co2jax.algorithms.diloco import delayed_diloco, diloco, eager_diloco, snoo
 from co2jax.algorithms.diloco_x import adapt, diloco_x, exchange_seconds
 from co2jax.algorithms.error_feedback import ErrorFeedbackState, error_feedback
@@ -19,6 +20,7 @@ from co2jax.algorithms.outer_schedules import outer_transform
 from co2jax.algorithms.pseudo_gradient import PseudoGradientState, pseudo_gradient_method
 from co2jax.algorithms.slowmo import SlowMomentumState, scale_by_slow_momentum, slowmo
 from co2jax.algorithms.sparseloco import sparseloco
+from co2jax.algorithms.sparta import SpartaState, sparta
 from co2jax.algorithms.streaming_diloco import StreamingState, streaming_diloco
 
 __all__ = [
@@ -38,6 +40,8 @@ __all__ = [
     "data_parallel",
     "dct_diloco",
     "demo",
+    "desloc",
+    "DESLocState",
     "delayed_diloco",
     "diloco",
     "diloco_x",
@@ -65,5 +69,7 @@ __all__ = [
     "gpa_eval_params",
     "GPAState",
     "sparseloco",
+    "sparta",
+    "SpartaState",
     "streaming_diloco",
 ]

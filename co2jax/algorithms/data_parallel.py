@@ -76,15 +76,17 @@ def no_sync() -> OuterOptimizer:
     )
 
 
-def _ddp_inner(transform: optax.GradientTransformation, settings, learning_rate):
-    del settings, learning_rate
+def _ddp_inner(transform: optax.GradientTransformation, settings, learning_rate, sync_every=None):
+    del settings, learning_rate, sync_every
     return data_parallel(transform)
 
 
 @register(
     "data-parallel baseline: gradients all-reduced every step",
     inner=_ddp_inner,
-    step_bytes=lambda settings, params, replicas: ring_bytes(tree_bytes(params), replicas),
+    step_bytes=lambda settings, params, replicas, sync_every: ring_bytes(
+        tree_bytes(params), replicas
+    ),
 )
 @dataclasses.dataclass(frozen=True)
 class DDPSettings(Settings):

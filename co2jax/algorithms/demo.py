@@ -149,14 +149,17 @@ def demo(
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _demo_inner(transform, settings: DeMoSettings, learning_rate):
-    del transform  # DeMo is the whole inner optimizer: sign steps at the inner learning rate
+def _demo_inner(transform, settings: DeMoSettings, learning_rate, sync_every=None):
+    del (
+        transform,
+        sync_every,
+    )  # DeMo is the whole inner optimizer: sign steps at the inner learning rate
     if learning_rate is None:
         raise ValueError("demo needs the inner learning rate (registry.inner(..., learning_rate))")
     return demo(learning_rate, settings.momentum, settings.topk, settings.dct_chunk)
 
 
-def _demo_step_bytes(settings: DeMoSettings, params, replicas: int) -> float:
+def _demo_step_bytes(settings: DeMoSettings, params, replicas: int, sync_every: int) -> float:
     return all_gather_dct_topk(settings.topk, settings.dct_chunk).wire_bytes(params, replicas)
 
 

@@ -33,12 +33,14 @@ from co2jax.algorithms import (  # noqa: F401
     data_parallel,
     dct_diloco,
     demo,
+    desloc,
     diloco,
     diloco_x,
     local_sgd,
     noloco,
     slowmo,
     sparseloco,
+    sparta,
     streaming_diloco,
 )
 from co2jax.algorithms.settings import (
@@ -74,6 +76,9 @@ ORDER = (
     "cocodc",
     "diloco_x",
     "noloco",
+    "sparta",
+    "sparta_diloco",
+    "desloc",
 )
 NAMES = (*(n for n in ORDER if n in REGISTRY), *(n for n in REGISTRY if n not in ORDER))
 """Every registered algorithm, in the order the reports list them (one not in ``ORDER``
@@ -125,12 +130,18 @@ def unknown(algorithm: str, name: str) -> str:
     return f"{algorithm} has no such setting{hint} (its settings: {', '.join(names)})"
 
 
-def inner(s: Settings, transform: optax.GradientTransformation, learning_rate=None):
+def inner(
+    s: Settings,
+    transform: optax.GradientTransformation,
+    learning_rate=None,
+    sync_every: int | None = None,
+):
     """The inner transform as ``s``'s algorithm runs it: ``transform`` itself, averaged
-    gradients first (DDP), or DeMo in its place (at ``learning_rate``, a number or a
-    schedule of the inner step)."""
+    gradients first (DDP), wrapped (SPARTA's sparse averaging, DES-LOC's moment averaging
+    on periods in rounds of ``sync_every`` steps), or DeMo in its place (at
+    ``learning_rate``, a number or a schedule of the inner step)."""
     wrap = REGISTRY[s.algorithm].inner
-    return transform if wrap is None else wrap(transform, s, learning_rate)
+    return transform if wrap is None else wrap(transform, s, learning_rate, sync_every=sync_every)
 
 
 class Capabilities(NamedTuple):
@@ -170,7 +181,7 @@ def capabilities(algorithm: str) -> Capabilities:
     leaves = {f"layer{i}": jax.ShapeDtypeStruct((8,), jnp.float32) for i in range(4)}
     outer = build(s, Context(H, leaves, 0.1, num_replicas=2))
     transfers = resolve(outer, H)
-    wrapped = inner(s, optax.sgd(0.1), 0.1)
+    wrapped = inner(s, optax.sgd(0.1, momentum=0.9), 0.1, sync_every=H)  # with a moment
     state = jax.eval_shape(wrapped.init, leaves)
     step = lambda g, st, p: wrapped.update(g, st, p)[0]
     return Capabilities(

@@ -355,9 +355,9 @@ class DCTTopK:
 
 class Entry(NamedTuple):
     """A registered algorithm: its settings class, a one-line summary and, for one that
-    replaces or wraps the inner transform (DDP, DeMo), ``inner(transform, settings,
-    learning_rate)`` and ``step_bytes(settings, params, replicas)`` (bytes one replica sends
-    per inner step)."""
+    replaces or wraps the inner transform (DDP, DeMo, SPARTA, DES-LOC), ``inner(transform,
+    settings, learning_rate, sync_every=H)`` and ``step_bytes(settings, params, replicas,
+    sync_every)`` (bytes one replica sends per inner step, on average)."""
 
     settings: type
     summary: str

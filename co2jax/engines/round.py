@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from co2jax import compilation_cache
 from co2jax._checks import check_flag, check_transform
-from co2jax.axes import DATA, MODEL, REPLICA
+from co2jax.axes import DATA, MODEL, REPLICA, communicates
 from co2jax.comm import policy
 from co2jax.comm.participation import (
     check_participation,
@@ -228,6 +228,7 @@ class RoundTrainer:
         self._inits: dict = {}
         self._specs: dict = {}
         self._checked: set = set()
+        self._checked_flags: dict = {}
 
     # ------------------------------------------------------------------------------------
     # state
@@ -458,8 +459,29 @@ class RoundTrainer:
         :func:`co2jax.comm.participation.check_participation` says."""
         self.check_batch(state, batch)
         part = self.participation(weights, steps)
+        if weights is not None or steps is not None or self.exclude_nonfinite:
+            self.check_inner_is_local(state)
         flags = tuple(x is not None for x in part)
         return self.program(state, *flags).fn(state, self.place_batch(batch), part)
+
+    def check_inner_is_local(self, state: TrainState) -> None:
+        """Raises ``ValueError`` when the inner transform communicates over the replica axis
+        (SPARTA's every-step averaging, DDP's gradient mean): a weight, a step count or
+        ``exclude_nonfinite`` cannot leave a replica out of an exchange inside its inner
+        steps (a poisoned replica has already reached the others). Traced once."""
+        if "inner_local" not in self._checked_flags:
+            one = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+            params, inner = (jax.tree.map(one, t) for t in (state.params, state.inner_state))
+            step = lambda g, s, p: self.inner.update(g, s, p)[0]
+            self._checked_flags["inner_local"] = not communicates(
+                step, (params, inner, params), REPLICA
+            )
+        if not self._checked_flags["inner_local"]:
+            raise ValueError(
+                "participation weights, per-replica steps and exclude_nonfinite: the inner "
+                f"transform communicates over {REPLICA!r} every step (SPARTA, data parallel), "
+                "so a replica cannot be left out of a round"
+            )
 
     def place_batch(self, batch: Any) -> Any:
         """Puts ``batch`` ([R, H, B, ...] leaves) on the mesh: replica and data sharded."""
