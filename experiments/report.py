@@ -217,7 +217,16 @@ FAMILIES = (
     ("streaming", ("streaming_diloco",)),
     (
         "compressed, sparse and gossip",
-        ("sparseloco", "demo", "dct_diloco", "diloco_x", "noloco", "sparta", "sparta_diloco"),
+        (
+            "sparseloco",
+            "demo",
+            "dct_diloco",
+            "diloco_x",
+            "noloco",
+            "sparta",
+            "sparta_diloco",
+            "muloco",
+        ),
     ),
 )
 """The plots' facets: each row in its algorithm's family, a compressed payload

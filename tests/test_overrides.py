@@ -104,6 +104,8 @@ CHOICE = [  # the string fields with a fixed set of values (outer: of some algor
     "outer.correction",
     "outer.factors",
     "outer.selector",
+    "outer.feedback_scale",
+    "outer.muon_scale",
 ]
 CO2 = ["outer.algorithm=co2"]
 # (overrides, the key the error must name)

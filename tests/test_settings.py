@@ -143,7 +143,13 @@ def test_capabilities_as_declared_before_except_diloco_x_guards():
     DiLoCoX, which was declared unguardable and guards itself (its skip_nonfinite)."""
     flags = {n: registry.capabilities(n) for n in registry.NAMES}
     assert registry.names_where("delayed") == ("delayed_diloco", "eager_diloco", "co2", "diloco_x")
-    assert registry.names_where("every_step") == ("ddp", "demo", "sparta", "sparta_diloco", "desloc")
+    assert registry.names_where("every_step") == (
+        "ddp",
+        "demo",
+        "sparta",
+        "sparta_diloco",
+        "desloc",
+    )
     assert registry.names_where("fragments") == ("streaming_diloco", "cocodc")
     assert registry.names_where("gossip") == ("noloco",)
     assert flags["diloco_x"].guardable and not flags["noloco"].guardable

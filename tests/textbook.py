@@ -405,6 +405,14 @@ def _desloc_registered(problem, lr, H, rounds):
     return desloc_adam(problem, lr, H, rounds, H, 2 * H, b1=0.9, b2=0.95)
 
 
+def _muloco_registered(problem, lr, H, rounds):
+    from textbook_muloco import diloco_feedback
+
+    # the shared leaves are vectors: the run's SGD (Muon's matrices: tests/test_muloco.py);
+    # int8 in one block of 128, error feedback 0.9 carrying the outer learning rate 0.9
+    return diloco_feedback(problem, lr, H, rounds, 0.9, 0.8, 0.9, 128)
+
+
 REGISTERED = {
     "ddp": ({}, data_parallel_sgd),
     "local_sgd": ({}, local_sgd),
@@ -469,6 +477,7 @@ REGISTERED = {
     ),
     # Adam moments averaged on their own periods (1 and 2 rounds), parameters every round
     "desloc": ({"first_moment_every": 1, "second_moment_every": 2}, _desloc_registered),
+    "muloco": ({"compression": "int8", "collective": "all_gather"}, _muloco_registered),
 }
 
 

@@ -15,6 +15,7 @@ from co2jax.algorithms.gpa import GPAState, gpa, gpa_eval_params
 from co2jax.algorithms.guards import SkipNonfiniteState, skip_nonfinite
 from co2jax.algorithms.local_sgd import local_sgd
 from co2jax.algorithms.low_rank import LowRankState, carry_over, low_rank
+from co2jax.algorithms.muloco import muloco_inner, muon
 from co2jax.algorithms.noloco import NoLoCoState, noloco
 from co2jax.algorithms.outer_schedules import outer_transform
 from co2jax.algorithms.pseudo_gradient import PseudoGradientState, pseudo_gradient_method
@@ -53,6 +54,8 @@ __all__ = [
     "eager_diloco",
     "error_feedback",
     "local_sgd",
+    "muloco_inner",
+    "muon",
     "no_sync",
     "noloco",
     "NoLoCoState",

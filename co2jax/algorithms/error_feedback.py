@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from co2jax._checks import check_unit_interval
+from co2jax._checks import check_positive, check_unit_interval
 from co2jax.comm.reducer import Encoded
 from co2jax.protocol import OuterOptimizer, Params, StateRoles, payload_shapes
 from co2jax.tree import by_varying_axes, flatten
@@ -49,17 +49,18 @@ class ErrorFeedbackState(NamedTuple):
     ROLES = StateRoles(replica_varying=("residuals",), wraps="inner_state")
 
 
-def error_feedback(outer: OuterOptimizer, decay: float = 1.0) -> OuterOptimizer:
+def error_feedback(outer: OuterOptimizer, decay: float = 1.0, scale: float = 1.0) -> OuterOptimizer:
     """``outer`` with its compressed payloads sent with error feedback (residual per replica).
 
     .. math::
 
-        c_r = \\operatorname{D}(\\operatorname{C}(\\Delta_r + \\beta e_r)), \\qquad
-        e_r \\leftarrow \\Delta_r + \\beta e_r - c_r
+        c_r = \\operatorname{D}(\\operatorname{C}(s \\Delta_r + \\beta e_r)), \\qquad
+        e_r \\leftarrow s \\Delta_r + \\beta e_r - c_r
 
     ``outer``'s reducer must be compressed (``outer.reducer.codec`` set, e.g.
     :func:`co2jax.comm.all_gather_compressed`). ``decay`` is ``beta`` (1 = classic error
-    feedback; SparseLoCo uses 0.95).
+    feedback; SparseLoCo uses 0.95). ``scale`` is ``s`` (1; MuLoCo's released code puts the
+    outer learning rate there, so the outer step sees ``s`` times the pseudo-gradient).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, co2jax
@@ -73,6 +74,7 @@ def error_feedback(outer: OuterOptimizer, decay: float = 1.0) -> OuterOptimizer:
       (Array([-1.,  0.], dtype=float32), Array([0. , 0.5], dtype=float32))
     """
     decay = check_unit_interval("decay", decay, closed_right=True)
+    scale = check_positive("scale", scale)
     reducer = outer.reducer
     if reducer.codec is None:
         raise ValueError(
@@ -109,7 +111,7 @@ def error_feedback(outer: OuterOptimizer, decay: float = 1.0) -> OuterOptimizer:
     def send(params: Params, state: ErrorFeedbackState, i: int):
         payload, inner = outer.send(params, state.inner_state, i)
         target = jax.tree.map(
-            lambda x, e: x.astype(jnp.float32) + decay * e, payload, state.residuals[i]
+            lambda x, e: scale * x.astype(jnp.float32) + decay * e, payload, state.residuals[i]
         )
         sent, decoded = compress(target)
         residual = jax.tree.map(lambda t, c: t - c.astype(jnp.float32), target, decoded)

@@ -37,6 +37,7 @@ from co2jax.algorithms import (  # noqa: F401
     diloco,
     diloco_x,
     local_sgd,
+    muloco,
     noloco,
     slowmo,
     sparseloco,
@@ -79,6 +80,7 @@ ORDER = (
     "sparta",
     "sparta_diloco",
     "desloc",
+    "muloco",
 )
 NAMES = (*(n for n in ORDER if n in REGISTRY), *(n for n in REGISTRY if n not in ORDER))
 """Every registered algorithm, in the order the reports list them (one not in ``ORDER``

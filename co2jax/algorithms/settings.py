@@ -257,6 +257,11 @@ class Compression:
             fail("error_feedback", self.error_feedback, "needs outer.compression")
         self.unless("collective", self.compression != "none", "outer.compression is set")
 
+    def feedback(self, outer: OuterOptimizer) -> OuterOptimizer:
+        """``outer`` with error feedback on its compressed payloads (classic: no decay, no
+        scale; an algorithm may set its own, as MuLoCo does)."""
+        return error_feedback(outer)
+
     def reducer(self) -> Any:
         """The compressed reducer, or ``None`` (the algorithm's exact mean)."""
         if self.compression == "none":
@@ -394,5 +399,5 @@ def build(settings: Settings, context: Context) -> OuterOptimizer:
     if isinstance(settings, Guard) and settings.skip_nonfinite and not outer.recovers_nonfinite:
         outer = skip_nonfinite(outer)
     if reduce is not None and settings.error_feedback:
-        outer = error_feedback(outer)
+        outer = settings.feedback(outer)
     return outer
