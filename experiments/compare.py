@@ -345,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         "--sweep",
         default="all",
         choices=["all", "compression", "ablations", *STUDIES],
-        help="all, compression, ablations: rows of algorithms; scaling, eager, bytes: studies",
+        help="all, compression, ablations: rows of algorithms; scaling, eager, bytes, orderings: "
+        "studies",
     )
     parser.add_argument("--smoke", action="store_true", help="a study at its smallest grid")
     parser.add_argument(
@@ -422,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     return exit_status(rows)
 
 
-def _study(args, parser) -> int:  # --sweep scaling|eager|bytes (experiments/studies.py)
+def _study(args, parser) -> int:  # --sweep scaling|eager|bytes|orderings (experiments/studies.py)
     sweeper = study_run.Sweeper(run_sweep, plan_sweep, Link, SweepError)
     return study_run.command(args, parser, sweeper, study_reports)
 

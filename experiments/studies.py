@@ -334,7 +334,120 @@ def bytes_rows(smoke: bool = False, results: dict | None = None) -> list[Row]:
     ]
 
 
-STUDIES = {"scaling": scaling_rows, "eager": eager_rows, "bytes": bytes_rows}
+# ---------------------------------------------------------------------------------------------
+# the next algorithms' orderings at equal bytes, and CO2 against DiLoCo over H and the outer lr
+
+ORDER_STEPS = 1200
+ORDER_H = 30
+MUON_LR_RATIO = 16  # MuLoCo's paper: Muon's inner lr 0.0625 against AdamW-DiLoCo's 0.0039
+# (label, key, H, overrides): SPARTA at p = 1/30 and SPARTA-DiLoCo at H = 60, p = 1/60 send
+# what DiLoCo sends at H = 30 (a copy of the model per 30 steps); DES-LOC (K_u, K_v = 3, 6
+# rounds) at H = 30 sends 1.5 copies per 30 steps, as Local Adam (everything every round) at
+# H = 60 does; MuLoCo sends 2-bit pseudo-gradients (1/16 of DiLoCo's float32)
+ORDER_ROWS = [
+    ("DiLoCo H=30", "diloco", 30, ["outer.algorithm=diloco"]),
+    ("DiLoCo H=60", "diloco60", 60, ["outer.algorithm=diloco"]),
+    ("SPARTA p=1/30", "sparta", 30, ["outer.algorithm=sparta", "outer.fraction=0.0333"]),
+    (
+        "SPARTA-DiLoCo H=60 p=1/60",
+        "sparta_diloco",
+        60,
+        ["outer.algorithm=sparta_diloco", "outer.fraction=0.0167"],
+    ),
+    ("Local SGD H=30 (local Adam states)", "local", 30, ["outer.algorithm=local_sgd"]),
+    (
+        "Local Adam H=60",
+        "local_adam",
+        60,
+        ["outer.algorithm=desloc", "outer.first_moment_every=1", "outer.second_moment_every=1"],
+    ),
+    ("DES-LOC H=30 (3, 6)", "desloc", 30, ["outer.algorithm=desloc"]),
+    (
+        "MuLoCo H=30 (Muon lr x16)",
+        "muloco",
+        30,
+        ["outer.algorithm=muloco", f"inner.learning_rate={MUON_LR_RATIO * 6e-3:g}"],
+    ),
+    ("MuLoCo H=30 (Muon lr x1)", "muloco_lr1", 30, ["outer.algorithm=muloco"]),
+    # added after the first grid's x16 row diverged (its AdamW part at 16x too): exploratory,
+    # no target reads it
+    (
+        "MuLoCo H=30 (Muon lr x16, AdamW x1)",
+        "muloco_split_lr",
+        30,
+        ["outer.algorithm=muloco", f"outer.muon_lr_scale={MUON_LR_RATIO}"],
+    ),
+    (
+        "MuLoCo H=30 uncompressed",
+        "muloco_fp32",
+        30,
+        [
+            "outer.algorithm=muloco",
+            f"inner.learning_rate={MUON_LR_RATIO * 6e-3:g}",
+            "outer.compression=none",
+            "outer.collective=two_step",
+            "outer.error_feedback=false",
+        ],
+    ),
+]
+CO2_HS = (10, 30)
+CO2_LRS = (0.4, 0.7, 1.0)
+CO2_VARIANTS = [  # the comparison report's three rows, their outer lr swept
+    ("DiLoCo", ["outer.algorithm=diloco"]),
+    ("CO2", ["outer.algorithm=co2", "outer.momentum=0.0"]),
+    (
+        "CO2 + penalty + clip",
+        [
+            "outer.algorithm=co2",
+            "outer.momentum=0.2",
+            "outer.penalty=gap_aware",
+            "outer.clip_threshold=0.02",
+        ],
+    ),
+]
+
+
+def orderings_rows(smoke: bool = False, results: dict | None = None) -> list[Row]:
+    shape = SCALING_SMOKE.sizes["smoke"] if smoke else SIZES["140k"]
+    steps = 8 if smoke else ORDER_STEPS
+    base = (*COMMON, *_model(shape), *BYTES_MESH, f"inner.learning_rate={INNER_LR}")
+    rows = []
+    for label, key, H, overrides in ORDER_ROWS:  # every algorithm, even in the smoke grid
+        H = 2 if smoke else H
+        every = "eval.every=1" if smoke else f"eval.every={max(60 // H, 1)}"
+        rows.append(
+            Row(
+                f"orderings {label}",
+                (*base, *_schedule(steps, H), every, *overrides),
+                {"name": label, "key": key, "H": H},
+            )
+        )
+    hs, lrs = ((2,), (0.7,)) if smoke else (CO2_HS, CO2_LRS)
+    for H in hs:
+        for lr in lrs:
+            for name, overrides in CO2_VARIANTS:
+                rows.append(
+                    Row(
+                        f"orderings {name} H={H} lr={lr}",
+                        (
+                            *base,
+                            *_schedule(steps, H),
+                            "eval.every=1" if smoke else f"eval.every={max(60 // H, 1)}",
+                            *overrides,
+                            f"outer.learning_rate={lr}",
+                        ),
+                        {"name": name, "key": "co2grid", "H": H, "lr": lr},
+                    )
+                )
+    return rows
+
+
+STUDIES = {
+    "scaling": scaling_rows,
+    "eager": eager_rows,
+    "bytes": bytes_rows,
+    "orderings": orderings_rows,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,4 +515,6 @@ TITLES = {
     "scaling": "DiLoCo scaling in miniature: replicas, model size, H and the outer learning rate",
     "eager": "Overlapping the outer step: naive delay, eager updates and a one-step overlap",
     "bytes": "Compressed pseudo-gradients at equal bytes",
+    "orderings": "SPARTA, DES-LOC and MuLoCo at equal bytes; CO2 against DiLoCo over H and the "
+    "outer learning rate",
 }

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.bytes_report import bytes_report as bytes_report  # the bytes study's
+from experiments.orderings_report import orderings_report as orderings_report
 from experiments.studies import (
     EAGER_REPLICAS,
     EAGER_SIZE,

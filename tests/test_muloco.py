@@ -195,3 +195,18 @@ def test_bad_settings_are_refused_in_one_line(fields, match):
 def test_the_registry_needs_the_inner_learning_rate():
     with pytest.raises(ValueError, match="needs the inner learning rate"):
         registry.inner(registry.settings("muloco"), optax.adamw(1e-3), None, 4)
+
+
+def test_muon_takes_its_own_multiple_of_the_inner_learning_rate():
+    params = {"w": jnp.eye(3) + 0.1, "b": jnp.ones(3)}
+
+    def updates(scale):
+        s = registry.settings("muloco", muon_lr_scale=scale).validate()
+        tx = registry.inner(s, optax.sgd(0.01), 0.01, 4)
+        return tx.update(params, tx.init(params), params)[0]
+
+    one, four = updates(1.0), updates(4.0)
+    np.testing.assert_allclose(four["w"], 4 * one["w"], rtol=1e-6)  # Muon's part
+    np.testing.assert_array_equal(four["b"], one["b"])  # the run's transform: unchanged
+    with pytest.raises(ValueError, match=r"outer.muon_lr_scale=0.0: must be > 0"):
+        registry.settings("muloco", muon_lr_scale=0.0).validate()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from benchmarks import utilization
-from experiments import bytes_report, compare, studies, study_reports, study_run
+from experiments import bytes_report, compare, orderings_report, studies, study_reports, study_run
 from experiments import config as config_lib
 
 
@@ -147,7 +147,55 @@ def test_bytes_report_interpolates_in_log_bytes(tmp_path):
     assert (tmp_path / "loss_vs_bytes.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("sweep", ["scaling", "eager", "bytes"])
+ORDERED = {  # made-up final losses in which every published ordering holds
+    "DiLoCo H=30": 2.0,
+    "DiLoCo H=60": 2.05,
+    "SPARTA p=1/30": 2.1,
+    "SPARTA-DiLoCo H=60 p=1/60": 1.99,
+    "Local SGD H=30 (local Adam states)": 2.1,
+    "Local Adam H=60": 2.03,
+    "DES-LOC H=30 (3, 6)": 2.02,
+    "MuLoCo H=30 (Muon lr x16)": 1.95,
+    "MuLoCo H=30 (Muon lr x1)": 2.2,
+    "MuLoCo H=30 (Muon lr x16, AdamW x1)": 1.96,
+    "MuLoCo H=30 uncompressed": 1.94,
+}
+
+
+def _ordered(meta, broken=None):
+    if meta["key"] != "co2grid":
+        return ORDERED[meta["name"]] + (0.1 if meta["name"] == broken else 0.0)
+    lag = {"DiLoCo": 0.0, "CO2": 0.005, "CO2 + penalty + clip": 0.02}[meta["name"]]
+    lag += 0.05 * (broken == "CO2" and meta["name"] != "DiLoCo" and meta["H"] == 30)
+    return 2.0 + lag + 0.01 * abs(meta["lr"] - 0.7) + 0.001 * meta["H"]
+
+
+@pytest.mark.parametrize(
+    "broken, claim",
+    [
+        (None, None),
+        ("SPARTA-DiLoCo H=60 p=1/60", "SPARTA-DiLoCo at twice DiLoCo's H"),
+        ("DES-LOC H=30 (3, 6)", "DES-LOC is no worse than Local Adam"),
+        ("MuLoCo H=30 (Muon lr x16)", "MuLoCo with 2-bit error-feedback"),
+        ("CO2", "CO2 at its best outer lr reaches DiLoCo's best within 0.5% at H = 30"),
+    ],
+)
+def test_orderings_targets(broken, claim, tmp_path):
+    rows = studies.orderings_rows()
+    results = _fake(rows, lambda m: _ordered(m, broken))
+    sections, targets, data = orderings_report.orderings_report(rows, results, tmp_path)
+    failed = [t.claim for t in targets if t.held is not True]
+    if broken is None:
+        assert failed == [], failed
+    else:  # SPARTA-DiLoCo's row is in two claims; every other break fails one
+        assert failed and all(c.startswith(claim) or "SPARTA-DiLoCo" in c for c in failed)
+        assert any(c.startswith(claim) for c in failed), failed
+    assert data["co2"]["CO2 H=10 lr=0.7"] == pytest.approx(2.015)
+    assert any(line.startswith("| CO2 + penalty + clip | 30 |") for line in sections)
+    assert (tmp_path / "orderings_co2.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("sweep", ["scaling", "eager", "bytes", "orderings"])
 def test_each_study_runs_end_to_end_at_its_smallest_grid(sweep, tmp_path, capsys):
     out = tmp_path / sweep
     assert compare.main(["--sweep", sweep, "--smoke", "--out", str(out)]) == 0

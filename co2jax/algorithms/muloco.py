@@ -193,9 +193,15 @@ def _inner(transform, settings: MuLoCoSettings, learning_rate, sync_every=None):
         raise ValueError(
             "muloco needs the inner learning rate (registry.inner(..., learning_rate))"
         )
+    scale = settings.muon_lr_scale
+    muon_lr = (
+        (lambda count: scale * learning_rate(count))
+        if callable(learning_rate)
+        else (scale * learning_rate)
+    )
     return muloco_inner(
         transform,
-        learning_rate,
+        muon_lr,
         momentum=settings.muon_momentum,
         nesterov=settings.muon_nesterov,
         weight_decay=settings.muon_weight_decay,
@@ -231,6 +237,9 @@ class MuLoCoSettings(Settings, OuterStep, Compression, Fused, Guard):
     muon_nesterov: bool = setting(False, "Muon's Nesterov momentum")
     muon_weight_decay: float = setting(0.0, "Muon's decoupled weight decay (x its lr)")
     muon_scale: str = setting("spectral", "Muon's shape scale: spectral or rms", SCALES)
+    muon_lr_scale: float = setting(
+        1.0, "Muon's learning rate as a multiple of the inner one (the release: 1, one lr)"
+    )
 
     def check(self, bounds) -> None:
         if not 0 <= self.error_decay <= 1:
@@ -239,6 +248,8 @@ class MuLoCoSettings(Settings, OuterStep, Compression, Fused, Guard):
             fail("muon_momentum", self.muon_momentum, "must be in [0, 1)")
         if self.muon_weight_decay < 0:
             fail("muon_weight_decay", self.muon_weight_decay, "must be >= 0")
+        if not self.muon_lr_scale > 0:
+            fail("muon_lr_scale", self.muon_lr_scale, "must be > 0")
         for name in ("error_decay", "feedback_scale"):
             self.unless(name, self.error_feedback, "outer.error_feedback is true")
         if self.feedback_scale == "outer_lr" and self.error_feedback:
