@@ -69,16 +69,25 @@ def test_an_inherited_check_runs_for_every_algorithm_with_the_piece():
 
 
 def _observed_every_step(name: str) -> bool:
-    """One inner step from a shared start with a different gradient per replica leaves the
-    replicas equal only if the inner transform exchanged something over the replica axis."""
+    """Replica 0's parameters after 2H + 1 inner steps (past a moment average every round)
+    depend on the other replicas' gradients only if the inner transform exchanges something
+    over the replica axis: the gradient (DDP), a part of the parameters (SPARTA), a
+    compressed momentum (DeMo) or the optimizer's moments (DES-LOC)."""
     problem = tb.make_problem(replicas=4, examples=2, dim=16, seed=3)
     _, inner = harness.registered(name, problem, LR, H)
     params = harness.initial_params(problem)
-    grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(0), x.shape, x.dtype), params)
-    state = jax.vmap(inner.init, axis_name=REPLICA)(params)
-    updates, _ = jax.vmap(inner.update, axis_name=REPLICA)(grads, state, params)
-    flat = harness.flatten(optax.apply_updates(params, updates))
-    return bool(np.allclose(flat, flat[:1], atol=0))
+    noise = jax.tree.map(lambda x: jax.random.normal(jax.random.key(0), x.shape, x.dtype), params)
+    step = jax.jit(jax.vmap(inner.update, axis_name=REPLICA))
+
+    def replica_0(others: float) -> np.ndarray:
+        grads = jax.tree.map(lambda g: g.at[1:].multiply(others), noise)
+        p, state = params, jax.vmap(inner.init, axis_name=REPLICA)(params)
+        for _ in range(2 * H + 1):
+            updates, state = step(grads, state, p)
+            p = optax.apply_updates(p, updates)
+        return np.asarray(harness.flatten(p))[0]
+
+    return not np.array_equal(replica_0(1.0), replica_0(-2.0))
 
 
 def _engine_plan(name: str, **fields):
@@ -101,7 +110,7 @@ def _engine_plan(name: str, **fields):
 @pytest.mark.parametrize("name", registry.NAMES)
 def test_derived_capabilities_are_what_the_drivers_do(name):
     caps = registry.capabilities(name)
-    # every_step: the replicas' inner steps are shared (DDP, DeMo), observed
+    # every_step: the replicas' inner steps exchange something (DDP, DeMo, SPARTA, DES-LOC)
     assert caps.every_step == _observed_every_step(name)
     # the round engine's plan: a transfer in flight over the whole round, fragments, fused
     fused = {"implementation": "interpret"} if "implementation" in _declared(name) else {}
