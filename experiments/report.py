@@ -212,7 +212,10 @@ def _entropy(rows: list[dict]) -> float | None:
 
 
 FAMILIES = (
-    ("synchronous and periodic", ("ddp", "local_sgd", "slowmo", "diloco", "desloc")),
+    (
+        "synchronous and periodic",
+        ("ddp", "local_sgd", "slowmo", "diloco", "desloc", "hierarchical_diloco"),
+    ),
     ("delayed and eager", ("delayed_diloco", "eager_diloco", "co2", "cocodc")),
     ("streaming", ("streaming_diloco",)),
     (

@@ -358,6 +358,7 @@ def train_validated(
         rundir.hparams(cfg),
     )
     history, bytes_total = [], (previous[-1]["bytes_total"] if previous else 0.0)
+    bytes_slow_total = previous[-1].get("bytes_slow_total", 0.0) if previous else 0.0
     label, progress = progress, None
     if cfg.log.progress or label is not None:
         from tqdm import tqdm
@@ -395,6 +396,9 @@ def train_validated(
                     bytes_inner = H * step_bytes(cfg.outer, run.params, R, H)
                 bytes_round += bytes_inner
                 bytes_total += bytes_round
+                slow = cfg.outer.slow_link_bytes(run.params, R)  # None: every byte may
+                bytes_slow = bytes_round if slow is None else slow  # cross the slow links
+                bytes_slow_total += bytes_slow
                 loss = np.asarray(metrics.loss)
                 record = {
                     "round": k + 1,
@@ -405,6 +409,8 @@ def train_validated(
                     "bytes_round": bytes_round,
                     "bytes_inner": bytes_inner,
                     "bytes_total": bytes_total,
+                    "bytes_slow": bytes_slow,
+                    "bytes_slow_total": bytes_slow_total,
                     "pseudo_gradient_norm": float(np.asarray(metrics.pseudo_gradient_norm).mean()),
                     "cosine_to_mean": float(np.asarray(metrics.cosine_to_mean).mean()),
                     "seconds": seconds,

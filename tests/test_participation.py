@@ -176,7 +176,9 @@ def test_a_replica_left_out_every_round_is_the_textbook_loop_without_it(name, pr
 
 def test_replica_local_algorithms_and_inner_only_ones_refuse_weights(problem, mesh):
     every_step = {"ddp", "demo", "sparta", "sparta_diloco", "sparta[bernoulli]", "desloc"}
-    assert {"eager_diloco", "noloco", "dct_diloco", *every_step} == set(REFUSED)
+    assert {"eager_diloco", "noloco", "hierarchical_diloco", "dct_diloco", *every_step} == set(
+        REFUSED
+    )
     for name in REFUSED:
         outer, inner = harness.registered(name, problem, LR, H)
         trainer = co2jax.RoundTrainer(engine_loss, inner, outer, mesh, H)

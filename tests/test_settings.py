@@ -160,7 +160,7 @@ def test_capabilities_as_declared_before_except_diloco_x_guards():
         "desloc",
     )
     assert registry.names_where("fragments") == ("streaming_diloco", "cocodc")
-    assert registry.names_where("gossip") == ("noloco",)
+    assert registry.names_where("gossip") == ("noloco", "hierarchical_diloco")
     assert flags["diloco_x"].guardable and not flags["noloco"].guardable
 
 

@@ -331,6 +331,36 @@ def noloco(problem, lr, H, rounds, eta, mu, n=2):
     return np.array(out)
 
 
+def hierarchical(problem, lr, H, rounds, regions, every, alpha, local, global_):
+    """HALoS's synchronous two-level rule. Regions: blocks of R / G contiguous replicas.
+    Every round, per region g: Delta_g = mean_{r in g}(phi_g - x_r);
+    b_g <- mu_L*b_g + Delta_g; phi_g <- phi_g - eta_L*(Delta_g + mu_L*b_g). After rounds
+    K, 2K, ...: U = mean_g(ref_g - phi_g); c <- mu_G*c + U; theta <- theta - eta_G*(U + mu_G*c);
+    phi_g <- (1 - alpha)*phi_g + alpha*theta; ref_g <- phi_g. ``local`` and ``global_`` are
+    (eta, mu) of the two Nesterov SGD steps. Returns every replica's phi_g per round."""
+    R = problem.replicas
+    m = R // regions
+    (eta_l, mu_l), (eta_g, mu_g) = local, global_
+    phi = [problem.theta0.copy() for _ in range(regions)]
+    ref = [problem.theta0.copy() for _ in range(regions)]
+    b = [np.zeros_like(problem.theta0) for _ in range(regions)]
+    theta, c, out = problem.theta0.copy(), np.zeros_like(problem.theta0), []
+    for t in range(rounds):
+        for g in range(regions):
+            members = range(g * m, (g + 1) * m)
+            delta = np.mean([phi[g] - inner_sgd(problem, r, phi[g], lr, H) for r in members], 0)
+            b[g] = mu_l * b[g] + delta
+            phi[g] = phi[g] - eta_l * (delta + mu_l * b[g])
+        if t % every == every - 1:
+            u = np.mean([ref[g] - phi[g] for g in range(regions)], axis=0)
+            c = mu_g * c + u
+            theta = theta - eta_g * (u + mu_g * c)
+            phi = [(1 - alpha) * p + alpha * theta for p in phi]
+            ref = [p.copy() for p in phi]
+        _record(out, [phi[r // m] for r in range(R)], R)
+    return np.array(out)
+
+
 # ---------------------------------------------------------------------------------------------
 # One entry per algorithm of co2jax's registry: the settings the shared tests build it from
 # (fields of its co2jax.algorithms.registry settings class) and its loop
@@ -468,6 +498,20 @@ REGISTERED = {
     "noloco": (
         {"learning_rate": 0.7, "momentum": 0.5, "group_size": 2},
         lambda p, lr, H, rounds: noloco(p, lr, H, rounds, 0.7, 0.5, 2),
+    ),
+    # two regions of two replicas, a global step every other round (so one in the usual 3
+    # rounds, after which the regions differ: alpha < 1), momentum at both levels
+    "hierarchical_diloco": (
+        {
+            "learning_rate": 0.7,
+            "momentum": 0.6,
+            "regions": 2,
+            "global_every": 2,
+            "global_learning_rate": 0.9,
+            "global_momentum": 0.5,
+            "alpha": 0.75,
+        },
+        lambda p, lr, H, rounds: hierarchical(p, lr, H, rounds, 2, 2, 0.75, (0.7, 0.6), (0.9, 0.5)),
     ),
     # a quarter of each leaf every step (w: 4 of 14 entries; b: 1 of 2), drawn with replacement
     "sparta": ({"fraction": 0.25}, _sparta_registered()),

@@ -13,6 +13,7 @@ from co2jax.algorithms.error_feedback import ErrorFeedbackState, error_feedback
 from co2jax.algorithms.fused import FusableTransformation, outer_sgd
 from co2jax.algorithms.gpa import GPAState, gpa, gpa_eval_params
 from co2jax.algorithms.guards import SkipNonfiniteState, skip_nonfinite
+from co2jax.algorithms.hierarchical import HierarchicalState, hierarchical_diloco
 from co2jax.algorithms.local_sgd import local_sgd
 from co2jax.algorithms.low_rank import LowRankState, carry_over, low_rank
 from co2jax.algorithms.muloco import muloco_inner, muon
@@ -58,6 +59,8 @@ __all__ = [
     "muon",
     "no_sync",
     "noloco",
+    "hierarchical_diloco",
+    "HierarchicalState",
     "NoLoCoState",
     "outer_sgd",
     "outer_transform",

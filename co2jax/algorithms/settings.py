@@ -120,6 +120,13 @@ class Settings:
         """The outer optimizer (``reduce``: the compressed reducer, or ``None``)."""
         raise NotImplementedError(f"{type(self).__name__} builds nothing")
 
+    def slow_link_bytes(self, params: Any, replicas: int) -> float | None:
+        """Bytes one replica sends per round over the links between regions, where the
+        algorithm tells them apart from the rest (``None``: it does not; every byte it
+        sends may cross them)."""
+        del params, replicas
+        return None
+
     def unless(self, name: str, read: bool, when: str) -> None:
         """Refuses ``name`` set away from its default where it is not ``read``."""
         value = getattr(self, name)

@@ -48,6 +48,12 @@ from co2jax.comm.reducer import (
     ring_mean,
     values,
 )
+from co2jax.comm.regions import (
+    global_payload,
+    region_payload,
+    slow_link_bytes,
+    two_level_mean,
+)
 from co2jax.comm.sparse_quant import (
     all_gather_topk_quantized,
     dequantize_values,
@@ -87,6 +93,10 @@ __all__ = [
     "gossip_groups",
     "gossip_mean",
     "gossip_payload",
+    "global_payload",
+    "region_payload",
+    "slow_link_bytes",
+    "two_level_mean",
     "int8",
     "int4",
     "FACTORS",

@@ -73,7 +73,7 @@ def weighted(
             f"participation weights need an exact mean or a reducer with a gather form, got "
             f"reducer={reducer.name!r}"
             + (
-                " (a gossip exchange has no all-replica reduction)"
+                " (a gossip or region exchange has no all-replica reduction)"
                 if reducer.reach != "all"
                 else ""
             )

@@ -150,8 +150,8 @@ class JobTrainer:
                 f"outer.reducer={outer.reducer.name!r} has no gather form (encode) for jobs to "
                 "exchange; use an all-gather reducer (co2jax.comm.all_gather_compressed)"
                 + (
-                    " (a gossip reducer exchanges with a group of replicas only: run it in the "
-                    "SPMD drivers)"
+                    " (a gossip or region reducer exchanges with a group of replicas only: run "
+                    "it in the SPMD drivers)"
                     if outer.reducer.reach != "all"
                     else ""
                 )
