@@ -131,7 +131,7 @@ def _check_outer(config: Config, layers: int) -> None:
         raise from_library(e) from None
 
 
-def _check_inner(i: InnerConfig) -> None:
+def _check_inner(i: InnerConfig, algorithm: str) -> None:
     if not i.learning_rate > 0:
         _fail("inner.learning_rate", i.learning_rate, "must be > 0")
     if i.weight_decay < 0:
@@ -139,6 +139,21 @@ def _check_inner(i: InnerConfig) -> None:
     _within("inner.b1", i.b1, 0, 1)
     _within("inner.b2", i.b2, 0, 1)
     _at_least("inner.warmup_steps", i.warmup_steps, 0)
+    if i.optimizer == "gpa":
+        if algorithm != "ddp":  # an outer step would move y and leave GPA's z behind
+            _fail(
+                "inner.optimizer",
+                i.optimizer,
+                f"GPA keeps its own iterate z in the inner state, which the outer step of "
+                f"outer.algorithm={algorithm!r} does not move: run it with outer.algorithm=ddp",
+            )
+        if not 0 < i.gpa_mu_y <= 1:
+            _fail("inner.gpa_mu_y", i.gpa_mu_y, "must be in (0, 1]")
+        _within("inner.gpa_mu_x", i.gpa_mu_x, 0, 1)
+    else:
+        for key, default in (("gpa_mu_y", 0.7), ("gpa_mu_x", 0.9967)):
+            if getattr(i, key) != default:
+                _fail(f"inner.{key}", getattr(i, key), "ignored unless inner.optimizer=gpa")
 
 
 def _check_model(m: ModelConfig) -> int:
@@ -302,7 +317,7 @@ def validate(config: Config, device_count: int | None = None) -> Config:
     _check_train(config.train)
     layers = _check_model(config.model)
     _check_outer(config, layers)
-    _check_inner(config.inner)
+    _check_inner(config.inner, config.outer.algorithm)
     _check_data(config.data)
     _check_run(config)
     _check_mesh(config)

@@ -48,6 +48,7 @@ ALGORITHMS = registry.NAMES  # the library's algorithm registry
 DEFAULT_ALGORITHM = "diloco"
 DATA_KINDS = ("markov", "text", "stdlib", "tokens")
 SCHEDULES = ("constant", "cosine")
+INNER_OPTIMIZERS = ("adamw", "gpa")
 TOKEN_DTYPES = ("auto", "uint16", "uint32")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")  # experiments.model's compute dtypes
 
@@ -115,8 +116,10 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class InnerConfig:
-    """The inner optimizer: AdamW on each replica."""
+    """The inner optimizer on each replica: AdamW, or GPA-AdamW (``co2jax.gpa``: AdamW's
+    steps on z, the gradient taken at y, evaluated at the average x)."""
 
+    optimizer: str = setting("adamw", "the inner optimizer", INNER_OPTIMIZERS)
     learning_rate: float = setting(3e-3, "AdamW's peak learning rate")
     weight_decay: float = setting(0.1, "AdamW's decoupled weight decay")
     b1: float = setting(0.9, "AdamW's first-moment decay, in [0, 1)")
@@ -125,6 +128,8 @@ class InnerConfig:
     schedule: str = setting(
         "cosine", "after the warm-up: cosine decays to 0.1x by the last step", SCHEDULES
     )
+    gpa_mu_y: float = setting(0.7, "GPA: y = mu_y x + (1 - mu_y) z, in (0, 1]")
+    gpa_mu_x: float = setting(0.9967, "GPA: x <- mu_x x + (1 - mu_x) z, in [0, 1)")
 
 
 @dataclass(frozen=True)

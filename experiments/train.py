@@ -248,7 +248,17 @@ def build_trainer(cfg: config_lib.Config, mesh, graphdef, params) -> tuple[Any, 
         )
     else:
         schedule = optax.linear_schedule(0.0, i.learning_rate, max(i.warmup_steps, 1))
-    inner = optax.adamw(schedule, b1=i.b1, b2=i.b2, weight_decay=i.weight_decay)
+    if i.optimizer == "gpa":  # the release's later default: weight decay on z
+        inner = co2jax.gpa(
+            schedule,
+            mu_y=i.gpa_mu_y,
+            mu_x=i.gpa_mu_x,
+            b1=i.b1,
+            b2=i.b2,
+            weight_decay=i.weight_decay,
+        )
+    else:
+        inner = optax.adamw(schedule, b1=i.b1, b2=i.b2, weight_decay=i.weight_decay)
     inner = registry.inner(
         cfg.outer, inner, schedule, cfg.train.sync_every
     )  # DDP averages gradients; DeMo replaces it
@@ -265,6 +275,17 @@ def build_trainer(cfg: config_lib.Config, mesh, graphdef, params) -> tuple[Any, 
         loss_fn, inner, outer, mesh, t.sync_every, check_vma=check_vma, param_specs=specs, **layout
     )
     return trainer, loss_fn, schedule
+
+
+def evaluated_params(cfg: config_lib.Config, state) -> Any:
+    """The parameters a run is evaluated at: the replicas' own, or GPA's average x
+    (:func:`co2jax.gpa_eval_params`, from its z in the inner state)."""
+    if cfg.inner.optimizer != "gpa":
+        return state.params
+    is_gpa = lambda n: isinstance(n, co2jax.GPAState)
+    (gpa_state,) = [n for n in jax.tree.leaves(state.inner_state, is_leaf=is_gpa) if is_gpa(n)]
+    at_x = lambda p, s: co2jax.gpa_eval_params(p, s, cfg.inner.gpa_mu_y)
+    return jax.jit(jax.vmap(at_x))(state.params, gpa_state)
 
 
 class Result(NamedTuple):
@@ -426,8 +447,9 @@ def train_validated(
                 }
                 last = k + 1 == t.rounds
                 if last or (cfg.eval.every and (k + 1) % cfg.eval.every == 0):
+                    at = evaluated_params(cfg, state)
                     record["eval_loss"] = float(
-                        np.asarray(jax.device_get(eval_fn(state.params, eval_batch))).mean()
+                        np.asarray(jax.device_get(eval_fn(at, eval_batch))).mean()
                     )
                     # with the eval, not every round: a reduction of every parameter over the
                     # replica axis (the slow link) that the algorithm itself does not need

@@ -475,3 +475,52 @@ def test_the_gpu_flags_exist_in_this_jaxlib():
     assert proc.returncode == 0, proc.stderr[-300:]
     proc = starts("--xla_gpu_no_such_flag=true")
     assert proc.returncode != 0 and "Unknown flag" in proc.stderr  # the check can fail
+
+
+def test_gpa_inner_at_mu_x_zero_is_adamw_and_is_evaluated_at_x(tmp_path):
+    """inner.optimizer=gpa under DDP: at mu_x = 0 GPA is AdamW (x = z = y), so the run's
+    every loss equals AdamW's; at mu_x > 0 the eval runs at x = (y - (1 - mu_y) z) / mu_y,
+    not at the parameters y the replicas hold."""
+    import co2jax
+
+    def run(name, *overrides):
+        cfg = _micro(
+            tmp_path / name, "outer.algorithm=ddp", "train.rounds=2", "eval.every=1", *overrides
+        )
+        return train.train(cfg)
+
+    adamw = run("adamw")
+    gpa0 = run("gpa0", "inner.optimizer=gpa", "inner.gpa_mu_x=0.0")
+    for a, b in zip(adamw.history, gpa0.history, strict=True):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
+        assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
+    gpa = run("gpa", "inner.optimizer=gpa", "inner.gpa_mu_x=0.9")
+    gpa_cfg = _micro(
+        tmp_path / "gpa", "outer.algorithm=ddp", "inner.optimizer=gpa", "inner.gpa_mu_x=0.9"
+    )
+    at_x = train.evaluated_params(gpa_cfg, gpa.state)
+    z = next(
+        n
+        for n in jax.tree.leaves(
+            gpa.state.inner_state, is_leaf=lambda n: isinstance(n, co2jax.GPAState)
+        )
+        if isinstance(n, co2jax.GPAState)
+    ).z
+    want = jax.tree.map(lambda y, z: (y - 0.3 * z) / 0.7, gpa.state.params, z)
+    for got, expect in zip(jax.tree.leaves(at_x), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expect), rtol=1e-5, atol=1e-6)
+    pairs = zip(jax.tree.leaves(at_x), jax.tree.leaves(gpa.state.params), strict=True)
+    assert max(np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in pairs) > 1e-4  # x != y
+
+
+def test_gpa_settings_are_refused_for_adamw(tmp_path):
+    with pytest.raises(ValueError, match=r"inner.gpa_mu_x=0.9: ignored unless inner.optimizer=gpa"):
+        train.train(_micro(tmp_path, "inner.gpa_mu_x=0.9"))
+    with pytest.raises(ValueError, match=r"inner.gpa_mu_y=0.0: must be in \(0, 1\]"):
+        train.train(
+            _micro(tmp_path, "outer.algorithm=ddp", "inner.optimizer=gpa", "inner.gpa_mu_y=0.0")
+        )
+    with pytest.raises(
+        ValueError, match=r"inner.optimizer='gpa': GPA keeps .* outer.algorithm=ddp"
+    ):
+        train.train(_micro(tmp_path, "inner.optimizer=gpa"))

@@ -46,6 +46,7 @@ NUMERIC = {
     "inner.b1": ["1.5", "1", "-0.1", "nan"],
     "inner.b2": ["-1", "1.0", "inf"],
     "inner.warmup_steps": ["-5", "-1"],
+    "inner.gpa_mu_x": ["0.9"],  # ignored unless inner.optimizer=gpa
     "train.rounds": ["0", "-1", str(10**10)],
     "train.sync_every": ["0", "-1", "100000000", str(10**12)],
     "train.seed": ["-1", str(2**63)],
@@ -72,6 +73,10 @@ OUTER_NUMERIC = {
     ("co2", "gap_decay"): ["1"],
     ("noloco", "group_size"): ["0", "3"],  # 3 does not divide mesh.replica = 4
     ("noloco", "momentum"): ["1"],
+    ("hierarchical_diloco", "regions"): ["0", "3"],  # 3 does not divide mesh.replica = 4
+    ("hierarchical_diloco", "global_every"): ["0"],
+    ("hierarchical_diloco", "alpha"): ["0", "1.5"],
+    ("hierarchical_diloco", "global_momentum"): ["1"],
     ("dct_diloco", "topk"): ["0"],
     ("dct_diloco", "dct_chunk"): ["0"],
     ("demo", "momentum"): ["1", "-0.5"],
@@ -91,6 +96,7 @@ CHOICE = [  # the string fields with a fixed set of values (outer: of some algor
     "data.kind",
     "data.token_dtype",
     "inner.schedule",
+    "inner.optimizer",
     "outer.algorithm",
     "outer.penalty",
     "outer.mode",
