@@ -29,8 +29,12 @@ def _mean(records) -> float:
     return float(np.mean(values)) if values else math.nan
 
 
-def _mb(records) -> float:
-    values = [float(r["history"][-1]["bytes_total"]) for r in records]
+def _mb(records, key: str = "bytes_total") -> float:
+    """Mean MB one replica sent over the run: ``bytes_total``, or over the slow links only
+    (``bytes_slow_total``; a record without it, from before the field, sent every byte
+    there)."""
+    last = [r["history"][-1] for r in records]
+    values = [float(h.get(key, h["bytes_total"])) for h in last]
     return float(np.mean(values)) / 1e6 if values else math.nan
 
 
@@ -52,19 +56,18 @@ def orderings_report(rows, results, out: Path):
     sections = [
         "## The next algorithms at equal bytes (same tokens)",
         "",
-        "| row | H | final eval loss | MB sent / replica | vs DiLoCo H=30 |",
-        "|---|---|---|---|---|",
+        "| row | H | final eval loss | MB sent / replica | vs DiLoCo H=30 | slow-link MB |",
+        "|---|---|---|---|---|---|",
     ]
     for r in pairs:
         n = r.meta["name"]
         if not recs[n]:
-            sections.append(f"| {n} | {r.meta['H']} | not run | | |")
+            sections.append(f"| {n} | {r.meta['H']} | not run | | | |")
             continue
-        mb = _mb(recs[n])
+        mb, slow = _mb(recs[n]), _mb(recs[n], "bytes_slow_total")
         ratio = f"{mb / ref:.2f}" if math.isfinite(ref) and ref > 0 else "n/a"
-        sections.append(
-            f"| {n} | {r.meta['H']} | {fmt(final_losses(recs[n]))} | {mb:.3g} | {ratio} |"
-        )
+        loss = fmt(final_losses(recs[n]))
+        sections.append(f"| {n} | {r.meta['H']} | {loss} | {mb:.3g} | {ratio} | {slow:.3g} |")
     targets = [
         _below(
             "SPARTA-DiLoCo at twice DiLoCo's H reaches DiLoCo's loss at equal bytes (SPARTA: "
@@ -91,6 +94,33 @@ def orderings_report(rows, results, out: Path):
             "8x less traffic, lower loss)",
             "MuLoCo H=30 (Muon lr x16)",
             "DiLoCo H=30",
+            mean,
+        ),
+        _below(
+            "Hierarchical DiLoCo beats flat DiLoCo at equal slow-link bytes (HALoS: faster "
+            "convergence than synchronous training across slow links)",
+            "Hierarchical H1=10 K=3",
+            "DiLoCo H=30",
+            mean,
+        ),
+        _below(
+            "Restarting the outer momentum is no worse than constant momentum (restarts: a "
+            "wider stable range of outer lr and momentum)",
+            "DiLoCo H=30 momentum restarts (every 5)",
+            "DiLoCo H=30",
+            mean,
+        ),
+        _below(
+            "Outer-momentum warm-up and decay is no worse than constant momentum (Pier: "
+            "faster at no loss)",
+            "DiLoCo H=30 momentum warm-up and decay (10, 10)",
+            "DiLoCo H=30",
+            mean,
+        ),
+        _below(
+            "GPA beats AdamW at equal steps (GPA: a speed-up over AdamW)",
+            "DDP GPA (mu_x 0.9967)",
+            "DDP AdamW",
             mean,
         ),
     ]

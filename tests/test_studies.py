@@ -159,6 +159,14 @@ ORDERED = {  # made-up final losses in which every published ordering holds
     "MuLoCo H=30 (Muon lr x1)": 2.2,
     "MuLoCo H=30 (Muon lr x16, AdamW x1)": 1.96,
     "MuLoCo H=30 uncompressed": 1.94,
+    "DiLoCo H=10": 1.97,
+    "Hierarchical H1=10 K=3": 1.98,
+    "Hierarchical H1=10 K=3 (region mean, global Nesterov)": 1.985,
+    "DiLoCo H=30 momentum restarts (every 5)": 2.0,
+    "DiLoCo H=30 momentum warm-up and decay (10, 10)": 1.99,
+    "DDP AdamW": 1.9,
+    "DDP GPA (mu_x 0.9967)": 1.89,
+    "DDP GPA (mu_x 0.987)": 1.895,
 }
 
 
@@ -177,6 +185,10 @@ def _ordered(meta, broken=None):
         ("SPARTA-DiLoCo H=60 p=1/60", "SPARTA-DiLoCo at twice DiLoCo's H"),
         ("DES-LOC H=30 (3, 6)", "DES-LOC is no worse than Local Adam"),
         ("MuLoCo H=30 (Muon lr x16)", "MuLoCo with 2-bit error-feedback"),
+        ("Hierarchical H1=10 K=3", "Hierarchical DiLoCo beats flat DiLoCo"),
+        ("DiLoCo H=30 momentum restarts (every 5)", "Restarting the outer momentum"),
+        ("DiLoCo H=30 momentum warm-up and decay (10, 10)", "Outer-momentum warm-up"),
+        ("DDP GPA (mu_x 0.9967)", "GPA beats AdamW"),
         ("CO2", "CO2 at its best outer lr reaches DiLoCo's best within 0.5% at H = 30"),
     ],
 )
