@@ -551,6 +551,6 @@ TITLES = {
     "scaling": "DiLoCo scaling in miniature: replicas, model size, H and the outer learning rate",
     "eager": "Overlapping the outer step: naive delay, eager updates and a one-step overlap",
     "bytes": "Compressed pseudo-gradients at equal bytes",
-    "orderings": "SPARTA, DES-LOC and MuLoCo at equal bytes; CO2 against DiLoCo over H and the "
-    "outer learning rate",
+    "orderings": "SPARTA, DES-LOC, MuLoCo and hierarchical DiLoCo at equal bytes, outer-momentum "
+    "schedules, GPA against AdamW; CO2 against DiLoCo over H and the outer learning rate",
 }

@@ -60,8 +60,12 @@ def _inner_scan(inner, params, inner_state, grad_fn, H):
 
 # An algorithm of the optimizer's moments gets Adam inside, with DiLoCo's inner betas (0.9,
 # 0.95): at b2 = 0.999 float32's 1 - b2^k loses ~5 digits on the first steps (rtol 1e-5 fails)
-INNER = {"desloc": lambda lr: optax.adam(lr, b1=0.9, b2=0.95)}
-"""The inner optimizer of the shared tests by algorithm (``optax.sgd`` for the others)."""
+INNER = {
+    "desloc": lambda lr: optax.adam(lr, b1=0.9, b2=0.95),
+    "ddp[gpa]": lambda lr: co2jax.gpa(lr, mu_y=0.7, mu_x=0.8, b1=0.9, b2=0.95),
+}
+"""The inner optimizer of the shared tests by algorithm or variant (``optax.sgd`` for the
+others)."""
 
 
 def registered(name: str, problem: Problem, lr: float, H: int, **overrides):
@@ -75,7 +79,7 @@ def registered(name: str, problem: Problem, lr: float, H: int, **overrides):
     settings.validate(registry.Bounds(sync_every=H))
     params = jax.tree.map(lambda x: x[0], initial_params(problem))
     context = registry.Context(H, params, lr, num_replicas=problem.replicas)
-    transform = INNER.get(algorithm, optax.sgd)(lr)
+    transform = INNER.get(name, INNER.get(algorithm, optax.sgd))(lr)
     return registry.build(settings, context), registry.inner(settings, transform, lr, H)
 
 

@@ -175,7 +175,15 @@ def test_a_replica_left_out_every_round_is_the_textbook_loop_without_it(name, pr
 
 
 def test_replica_local_algorithms_and_inner_only_ones_refuse_weights(problem, mesh):
-    every_step = {"ddp", "demo", "sparta", "sparta_diloco", "sparta[bernoulli]", "desloc"}
+    every_step = {
+        "ddp",
+        "ddp[gpa]",
+        "demo",
+        "sparta",
+        "sparta_diloco",
+        "sparta[bernoulli]",
+        "desloc",
+    }
     assert {"eager_diloco", "noloco", "hierarchical_diloco", "dct_diloco", *every_step} == set(
         REFUSED
     )

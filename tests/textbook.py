@@ -213,6 +213,24 @@ def data_parallel_sgd(problem, lr, H, rounds):
     return np.array(out)
 
 
+def data_parallel_gpa(problem, lr, H, rounds, mu_y, mu_x, b1, b2, eps=1e-8):
+    """GPA-AdamW on the replicas' mean gradient at y, in the released in-place form:
+    m, v Adam's moments, u their bias-corrected step, c = 1 - mu_x;
+    y <- y + c (z - y) + lr (mu_y (1 - c) - 1) u; z <- z - lr u. Records y every H steps."""
+    y = problem.theta0.copy()
+    z, m, v, c, k, out = y.copy(), np.zeros_like(y), np.zeros_like(y), 1 - mu_x, 0, []
+    for _ in range(rounds):
+        for _ in range(H):
+            k += 1
+            g = np.mean([problem.grad(r, y) for r in range(problem.replicas)], axis=0)
+            m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+            u = (m / (1 - b1**k)) / (np.sqrt(v / (1 - b2**k)) + eps)
+            y = y + c * (z - y) + lr * (mu_y * (1 - c) - 1) * u
+            z = z - lr * u
+        _record(out, y, problem.replicas)
+    return np.array(out)
+
+
 def int8_roundtrip(x, block):
     """Symmetric int8 with a float32 scale max|x|/127 per block of ``block`` (zero-padded),
     rounded half to even, in float32: what the int8 codec decodes to."""
@@ -538,6 +556,20 @@ VARIANTS = {
         "sparseloco",
         {"learning_rate": 1.0, "decay": 0.95, "topk": 4, "chunk": 16, "quantizer": "production"},
         _sparseloco_production_registered,
+    ),
+    # the outer momentum ramped from 0 over 2 outer steps and restarted before step 2
+    "diloco[momentum_schedule]": (
+        "diloco",
+        {"learning_rate": 0.7, "momentum": 0.9, "momentum_warmup": 2, "momentum_restart": 2},
+        lambda p, lr, H, rounds: diloco_scheduled(
+            p, lr, H, rounds, lambda s: 0.7, lambda s: 0.9 * min(s, 2) / 2, restart_every=2
+        ),
+    ),
+    # GPA-AdamW inside DDP (tests/harness.py::INNER): every step on the mean gradient at y
+    "ddp[gpa]": (
+        "ddp",
+        {},
+        lambda p, lr, H, rounds: data_parallel_gpa(p, lr, H, rounds, 0.7, 0.8, 0.9, 0.95),
     ),
     # SPARTA's released law (independent entries), averaged on every other step
     "sparta[bernoulli]": (

@@ -122,6 +122,27 @@ def momentum_schedule(
     return optax.join_schedules(pieces, boundaries)
 
 
+def keep_state_dtypes(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` whose state keeps the dtypes ``init`` gave it. A hyper-parameter held in the
+    state is a float32 value, and ``mu * b + g`` with it promotes a bfloat16 momentum buffer
+    to float32: a round's carry would then change type (and a bf16 run hold float32 state).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> tx = keep_state_dtypes(optax.inject_hyperparams(optax.sgd)(0.1, momentum=0.9))
+      >>> p = jnp.zeros(2, jnp.bfloat16)
+      >>> _, state = tx.update(jnp.ones(2, jnp.bfloat16), tx.init(p), p)
+      >>> state.inner_state[0].trace.dtype
+      dtype(bfloat16)
+    """
+
+    def update(updates, state, params=None):
+        updates, new = tx.update(updates, state, params)
+        return updates, jax.tree.map(lambda n, o: n.astype(o.dtype), new, state)
+
+    return optax.GradientTransformation(tx.init, update)
+
+
 class RestartState(NamedTuple):
     """State of :func:`restart_momentum`: the wrapped transform's state and the outer step
     (0-d int32)."""
@@ -214,7 +235,8 @@ def outer_transform(
         )
     if optimizer == "adam":
         b2 = check_unit_interval("b2", b2)
-        return optax.inject_hyperparams(optax.adam)(learning_rate, b1=momentum, b2=b2, eps=eps)
+        adam = optax.inject_hyperparams(optax.adam)(learning_rate, b1=momentum, b2=b2, eps=eps)
+        return keep_state_dtypes(adam)
     if not scheduled and not in_state:
         m = momentum or None  # 0: plain SGD (Nesterov then means nothing)
         return outer_sgd(learning_rate, m, nesterov=nesterov and m is not None)
@@ -222,5 +244,5 @@ def outer_transform(
     def sgd(learning_rate, momentum):  # a trace even at momentum 0: a ramp starts there
         return optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)
 
-    tx = optax.inject_hyperparams(sgd)(learning_rate, momentum)
+    tx = keep_state_dtypes(optax.inject_hyperparams(sgd)(learning_rate, momentum))
     return restart_momentum(tx, restart_every) if restart_every else tx

@@ -227,8 +227,7 @@ class RoundTrainer:
         self._programs: dict = {}
         self._inits: dict = {}
         self._specs: dict = {}
-        self._checked: set = set()
-        self._checked_flags: dict = {}
+        self._checked: set = set()  # batch shapes checked, and "inner_local" once checked
 
     # ------------------------------------------------------------------------------------
     # state
@@ -468,20 +467,19 @@ class RoundTrainer:
         """Raises ``ValueError`` when the inner transform communicates over the replica axis
         (SPARTA's every-step averaging, DDP's gradient mean): a weight, a step count or
         ``exclude_nonfinite`` cannot leave a replica out of an exchange inside its inner
-        steps (a poisoned replica has already reached the others). Traced once."""
-        if "inner_local" not in self._checked_flags:
-            one = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
-            params, inner = (jax.tree.map(one, t) for t in (state.params, state.inner_state))
-            step = lambda g, s, p: self.inner.update(g, s, p)[0]
-            self._checked_flags["inner_local"] = not communicates(
-                step, (params, inner, params), REPLICA
-            )
-        if not self._checked_flags["inner_local"]:
+        steps (a poisoned replica has already reached the others). Traced once when it passes."""
+        if "inner_local" in self._checked:
+            return
+        one = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+        params, inner = (jax.tree.map(one, t) for t in (state.params, state.inner_state))
+        step = lambda g, s, p: self.inner.update(g, s, p)[0]
+        if communicates(step, (params, inner, params), REPLICA):
             raise ValueError(
                 "participation weights, per-replica steps and exclude_nonfinite: the inner "
                 f"transform communicates over {REPLICA!r} every step (SPARTA, data parallel), "
                 "so a replica cannot be left out of a round"
             )
+        self._checked.add("inner_local")
 
     def place_batch(self, batch: Any) -> Any:
         """Puts ``batch`` ([R, H, B, ...] leaves) on the mesh: replica and data sharded."""
