@@ -26,7 +26,6 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -39,6 +38,7 @@ from experiments import checkpoints as ckpt_lib
 from experiments import checks, round_stats, rundir, xla_flags
 from experiments import config as config_lib
 from experiments import data as data_lib
+from experiments import inner as inner_lib
 from experiments import model as model_lib
 from experiments.rundir import Diverged, Interrupted, RunError
 
@@ -237,28 +237,8 @@ def build_trainer(cfg: config_lib.Config, mesh, graphdef, params) -> tuple[Any, 
     t, i = cfg.train, cfg.inner
     loss_fn = model_lib.make_loss_fn(graphdef)
 
-    total = t.rounds * t.sync_every
-    if i.schedule == "cosine":
-        schedule = optax.warmup_cosine_decay_schedule(
-            0.0,
-            i.learning_rate,
-            min(i.warmup_steps, total - 1),
-            max(total, 2),
-            0.1 * i.learning_rate,
-        )
-    else:
-        schedule = optax.linear_schedule(0.0, i.learning_rate, max(i.warmup_steps, 1))
-    if i.optimizer == "gpa":  # the release's later default: weight decay on z
-        inner = co2jax.gpa(
-            schedule,
-            mu_y=i.gpa_mu_y,
-            mu_x=i.gpa_mu_x,
-            b1=i.b1,
-            b2=i.b2,
-            weight_decay=i.weight_decay,
-        )
-    else:
-        inner = optax.adamw(schedule, b1=i.b1, b2=i.b2, weight_decay=i.weight_decay)
+    schedule = inner_lib.schedule(i, t.rounds * t.sync_every)
+    inner = inner_lib.optimizer(i, schedule)
     inner = registry.inner(
         cfg.outer, inner, schedule, cfg.train.sync_every
     )  # DDP averages gradients; DeMo replaces it
@@ -275,17 +255,6 @@ def build_trainer(cfg: config_lib.Config, mesh, graphdef, params) -> tuple[Any, 
         loss_fn, inner, outer, mesh, t.sync_every, check_vma=check_vma, param_specs=specs, **layout
     )
     return trainer, loss_fn, schedule
-
-
-def evaluated_params(cfg: config_lib.Config, state) -> Any:
-    """The parameters a run is evaluated at: the replicas' own, or GPA's average x
-    (:func:`co2jax.gpa_eval_params`, from its z in the inner state)."""
-    if cfg.inner.optimizer != "gpa":
-        return state.params
-    is_gpa = lambda n: isinstance(n, co2jax.GPAState)
-    (gpa_state,) = [n for n in jax.tree.leaves(state.inner_state, is_leaf=is_gpa) if is_gpa(n)]
-    at_x = lambda p, s: co2jax.gpa_eval_params(p, s, cfg.inner.gpa_mu_y)
-    return jax.jit(jax.vmap(at_x))(state.params, gpa_state)
 
 
 class Result(NamedTuple):
@@ -447,7 +416,7 @@ def train_validated(
                 }
                 last = k + 1 == t.rounds
                 if last or (cfg.eval.every and (k + 1) % cfg.eval.every == 0):
-                    at = evaluated_params(cfg, state)
+                    at = inner_lib.evaluated_params(cfg.inner, state)
                     record["eval_loss"] = float(
                         np.asarray(jax.device_get(eval_fn(at, eval_batch))).mean()
                     )

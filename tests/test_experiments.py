@@ -15,6 +15,7 @@ import pytest
 from co2jax.algorithms import registry
 from experiments import checks, compare, report, sweep_rows, train
 from experiments import config as config_lib
+from experiments import inner as inner_lib
 from experiments import model as model_lib
 
 CPU_PRESETS = ["cpu-tiny", "cpu-stdlib", "micro"]
@@ -498,7 +499,7 @@ def test_gpa_inner_at_mu_x_zero_is_adamw_and_is_evaluated_at_x(tmp_path):
     gpa_cfg = _micro(
         tmp_path / "gpa", "outer.algorithm=ddp", "inner.optimizer=gpa", "inner.gpa_mu_x=0.9"
     )
-    at_x = train.evaluated_params(gpa_cfg, gpa.state)
+    at_x = inner_lib.evaluated_params(gpa_cfg.inner, gpa.state)
     z = next(
         n
         for n in jax.tree.leaves(
