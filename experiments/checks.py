@@ -151,9 +151,9 @@ def _check_inner(i: InnerConfig, algorithm: str) -> None:
             _fail("inner.gpa_mu_y", i.gpa_mu_y, "must be in (0, 1]")
         _within("inner.gpa_mu_x", i.gpa_mu_x, 0, 1)
     else:
-        for key, default in (("gpa_mu_y", 0.7), ("gpa_mu_x", 0.9967)):
-            if getattr(i, key) != default:
-                _fail(f"inner.{key}", getattr(i, key), "ignored unless inner.optimizer=gpa")
+        for f in dataclasses.fields(i):
+            if f.name.startswith("gpa_") and getattr(i, f.name) != f.default:
+                _fail(f"inner.{f.name}", getattr(i, f.name), "ignored unless inner.optimizer=gpa")
 
 
 def _check_model(m: ModelConfig) -> int:

@@ -71,6 +71,21 @@ def shifts(matching: Matching) -> list[list[tuple[int, int]]]:
     return [[(g[j], g[(j + s) % n]) for g in matching for j in range(n)] for s in range(1, n)]
 
 
+def group_mean(tree, matching: Matching, axis_name: str = REPLICA):
+    """Every leaf's mean over its replica's group of ``matching`` (groups of one size n),
+    by the ``n - 1`` collective-permutes of :func:`shifts`, summed in float32, in the
+    leaves' dtypes."""
+    perms = shifts(matching)
+
+    def leaf(x):
+        total = x.astype(jnp.float32)
+        for perm in perms:
+            total = total + jax.lax.ppermute(x, axis_name, perm).astype(jnp.float32)
+        return (total / len(matching[0])).astype(x.dtype)
+
+    return jax.tree.map(leaf, tree)
+
+
 @dataclasses.dataclass(frozen=True)
 class GossipForm:
     """The static form of a gossip payload: ``data = (values, round)``; decoding drops the
@@ -121,17 +136,6 @@ def gossip_mean(
     cycle = check_int("cycle", cycle, 1)
     check_axis_name("axis_name", axis_name)
 
-    def group_mean(tree, matching: Matching):
-        perms = shifts(matching)
-
-        def leaf(x):
-            total = x.astype(jnp.float32)
-            for perm in perms:
-                total = total + jax.lax.ppermute(x, axis_name, perm).astype(jnp.float32)
-            return (total / len(matching[0])).astype(x.dtype)
-
-        return jax.tree.map(leaf, tree)
-
     def reduce(payload: Encoded):
         if not isinstance(payload, Encoded) or not isinstance(payload.form, GossipForm):
             raise ValueError(
@@ -145,7 +149,9 @@ def gossip_mean(
         if group_size == 1:
             return tree
         table, distinct = matchings(r, group_size, sync_every, cycle)
-        branches = [functools.partial(group_mean, matching=m) for m in distinct]
+        branches = [
+            functools.partial(group_mean, matching=m, axis_name=axis_name) for m in distinct
+        ]
         if len(branches) == 1:
             return branches[0](tree)
         index = jnp.asarray(table)[round_index % cycle]

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 
 from co2jax._checks import check_axis_name, check_int
 from co2jax.axes import REPLICA, axis_size
-from co2jax.comm.gossip import shifts
-from co2jax.comm.reducer import Encoded, Payload, Reducer
+from co2jax.comm.gossip import group_mean
+from co2jax.comm.reducer import Encoded, Payload, Reducer, ring_bytes
 from co2jax.tree import tree_bytes, varying_like
 
 
@@ -108,7 +108,7 @@ def slow_link_bytes(payload_bytes: float, replicas: int, every: int) -> float:
       >>> slow_link_bytes(100.0, replicas=4, every=2)
       75.0
     """
-    return 2.0 * (replicas - 1) / replicas * payload_bytes / every if replicas > 1 else 0.0
+    return ring_bytes(payload_bytes, replicas) / every
 
 
 def two_level_mean(regions: int, every: int, axis_name: str = REPLICA) -> Reducer:
@@ -140,23 +140,9 @@ def two_level_mean(regions: int, every: int, axis_name: str = REPLICA) -> Reduce
     every = check_int("every", every, 1)
     check_axis_name("axis_name", axis_name)
 
-    def mean32(x, total, count):
-        return (total / count).astype(x.dtype)
-
     def region_mean(tree):
-        r = axis_size(axis_name)
-        blocks = region_blocks(r, regions)
-        if len(blocks[0]) == 1:
-            return tree
-        perms = shifts(blocks)
-
-        def leaf(x):
-            total = x.astype(jnp.float32)
-            for perm in perms:
-                total = total + jax.lax.ppermute(x, axis_name, perm).astype(jnp.float32)
-            return mean32(x, total, len(blocks[0]))
-
-        return jax.tree.map(leaf, tree)
+        blocks = region_blocks(axis_size(axis_name), regions)
+        return tree if len(blocks[0]) == 1 else group_mean(tree, blocks, axis_name)
 
     def global_mean(tree, round_index):
         def reduce_all(t):
