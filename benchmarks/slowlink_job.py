@@ -28,7 +28,7 @@ def build(peers, algorithm: str, H: int, seed: int = 0):
     from experiments import config as config_lib
     from experiments import data as data_lib
     from experiments import model as model_lib
-    from experiments import train
+    from experiments import programs
 
     steps_per_round = H
     overrides = [f"mesh.replica={peers.replicas}", f"train.sync_every={H}", f"train.seed={seed}"]
@@ -60,7 +60,7 @@ def build(peers, algorithm: str, H: int, seed: int = 0):
     inner = optax.adamw(cfg.inner.learning_rate, b1=cfg.inner.b1, b2=cfg.inner.b2)
     # a job has no replica axis: algorithms that need R (eager updates) are given it
     schedule = lambda t: cfg.inner.learning_rate
-    outer = train.build_outer(cfg.outer, H, schedule, params, num_replicas=peers.replicas)
+    outer = programs.build_outer(cfg.outer, H, schedule, params, num_replicas=peers.replicas)
     return loss_fn, inner, outer, params, streams, H
 
 

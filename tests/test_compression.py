@@ -14,6 +14,7 @@ import textbook as tb
 
 import co2jax
 from co2jax import comm as cx
+from co2jax.comm.compressed import shard_size
 
 CODECS = {
     "none": cx.none(),
@@ -148,10 +149,10 @@ def test_compressed_collective_moves_the_compressed_dtype(tmp_path):
 
 
 def _two_step_reference(codec, payload):
-    """numpy/per-replica twin of all_reduce_compressed on [R, n] rows: shards of the
-    decoded payloads averaged, then the mean shard quantized again."""
+    """numpy/per-replica twin of all_reduce_compressed on [R, n] rows: shards (of whole codec
+    blocks) of the decoded payloads averaged, then the mean shard quantized again."""
     r, n = payload.shape
-    m = -(-n // r)
+    m = shard_size(n, r, codec.block or 1)
     shards = np.pad(np.asarray(payload), ((0, 0), (0, r * m - n))).reshape(r, r, m)
     roundtrip = jax.jit(jax.vmap(codec.roundtrip))  # each row on its own
     decoded = np.stack([np.asarray(roundtrip(jnp.asarray(row))) for row in shards])

@@ -15,9 +15,14 @@ sent.
 Where the reducer has a gather form (every all-gather reducer) the wrapper sends the encoding
 itself (:class:`co2jax.comm.Encoded`): the reducer gathers it as it is, with no second
 encoding, and a top-k encoding keeps its support (a selected value that quantizes to zero is
-still selected). A reducer with only a codec (the two-step compressed all-reduce) is sent
-``c`` decoded, which it re-encodes to the same bytes: every block codec is idempotent
-(``C(D(C(x))) == C(x)``); top-k is not (ties among zeros), so it is refused there.
+still selected). A reducer without one (the two-step compressed all-reduce) says what it
+transmits for a payload (``reducer.roundtrip``: its encoding decoded, in its own block
+layout; the two-step collective's blocks start at each group's first element, and its shards
+are whole blocks); the wrapper takes ``c`` from there and sends it decoded, and the reducer
+re-encodes it to the same codes: every block codec is idempotent
+(``C(D(C(x))) == C(x)``, to float32 rounding of a scale). So the mean's first quantization is
+of exactly the ``c`` the residual was taken from; its second (of the mean) is not seen here.
+Top-k is not idempotent (ties among zeros), so it is refused there.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ import jax.numpy as jnp
 from co2jax._checks import check_positive, check_unit_interval
 from co2jax.comm.reducer import Encoded
 from co2jax.protocol import OuterOptimizer, Params, StateRoles, payload_shapes
-from co2jax.tree import by_varying_axes, flatten
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -58,9 +62,12 @@ def error_feedback(outer: OuterOptimizer, decay: float = 1.0, scale: float = 1.0
         e_r \\leftarrow s \\Delta_r + \\beta e_r - c_r
 
     ``outer``'s reducer must be compressed (``outer.reducer.codec`` set, e.g.
-    :func:`co2jax.comm.all_gather_compressed`). ``decay`` is ``beta`` (1 = classic error
-    feedback; SparseLoCo uses 0.95). ``scale`` is ``s`` (1; MuLoCo's released code puts the
-    outer learning rate there, so the outer step sees ``s`` times the pseudo-gradient).
+    :func:`co2jax.comm.all_gather_compressed`) and say what it transmits: its gather form
+    (``encode``, sent as it is) or ``roundtrip`` (:func:`co2jax.comm.all_reduce_compressed`:
+    ``c`` is what it puts on the wire, in its own block layout, sent decoded). ``decay`` is
+    ``beta`` (1 = classic error feedback; SparseLoCo uses 0.95). ``scale`` is ``s`` (1;
+    MuLoCo's released code puts the outer learning rate there, so the outer step sees ``s``
+    times the pseudo-gradient).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, co2jax
@@ -86,6 +93,11 @@ def error_feedback(outer: OuterOptimizer, decay: float = 1.0, scale: float = 1.0
             f"error feedback through {reducer.name} would re-encode a top-k payload and lose "
             "its support; use an all-gather reducer (co2jax.comm.all_gather_topk)"
         )
+    if reducer.encode is None and reducer.roundtrip is None:
+        raise ValueError(
+            f"error feedback needs to know what outer.reducer={reducer.name!r} transmits: give "
+            "it a gather form (encode) or a roundtrip"
+        )
 
     def compress(target: Any) -> tuple[Any, Any]:
         """(what is sent, its decoded value)."""
@@ -93,11 +105,8 @@ def error_feedback(outer: OuterOptimizer, decay: float = 1.0, scale: float = 1.0
             encoded = reducer.encode(target)
             return encoded, encoded.decode()
 
-        def group(leaves):  # the codec's roundtrip, one vector per varying group
-            flat, unflatten = flatten(leaves)
-            return unflatten(reducer.codec.roundtrip(flat))
-
-        decoded = by_varying_axes(target, group)
+        # the reducer's own encoding, in its block layout: what it will transmit
+        decoded = reducer.roundtrip(target)
         return decoded, decoded
 
     def init(params: Params) -> ErrorFeedbackState:

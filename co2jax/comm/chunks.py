@@ -14,9 +14,9 @@ whole reduction gives:
   common dtype), padded and cut into K ranges of a whole number of the reducer's codec blocks
   (a top-k codec's chunks); each piece is reduced by the reducer itself. An exact mean is
   element-wise, a block codec quantizes each block on its own and top-k selects per chunk,
-  so the pieces reduce to exactly the whole's values (the ring sums in another order, and the
-  two-step compressed all-reduce re-quantizes each piece's mean on its own shards: close,
-  not equal);
+  and the two-step compressed all-reduce cuts a piece into shards of whole blocks (so it
+  reduces block by block, both quantizations in the whole payload's blocks): the pieces
+  reduce to exactly the whole's values (the ring sums in another order: close, not equal);
 - a payload already encoded (:class:`~co2jax.comm.Encoded`, what error feedback sends): the
   arrays of each group's wire form cut along their leading axis (blocks), all-gathered and
   averaged per group by the form.

@@ -3,7 +3,8 @@
 - :func:`all_gather_compressed`: every replica's encoded payload all-gathered; each replica
   decodes the R payloads and averages them. Equal to the mean of the replicas' roundtrips.
 - :func:`all_reduce_compressed`: a reduce-scatter then an all-gather, both of encoded shards
-  (about half the all-gather's bytes at 4 replicas; the mean is quantized once more).
+  of whole codec blocks (about half the all-gather's bytes at 4 replicas; the mean is
+  quantized once more, in the same blocks).
 - :func:`all_gather_topk`: every replica's top-k per chunk (indices and values) gathered and
   averaged per index, over the replicas that selected it (SparseLoCo).
 
@@ -102,18 +103,43 @@ def all_gather_compressed(codec: Codec, axis_name: str = REPLICA) -> Reducer:
     return _gathered(f"all_gather_compressed({codec.name})", codec, axis_name, _Coded)
 
 
+def shard_size(n: int, replicas: int, unit: int = 1) -> int:
+    """Elements in each of the R shards of :func:`all_reduce_compressed` for an n-element
+    vector: ``unit * ceil(ceil(n / unit) / R)``, whole ``unit`` s (the codec's blocks).
+
+    A shard encodes into ``ceil(n / (unit R))`` blocks, as many as a shard of ``ceil(n / R)``
+    elements padded to whole blocks does: whole-block shards cost no extra byte.
+
+    Example:
+      >>> shard_size(200, 8, 128), shard_size(1000, 4, 128), shard_size(10, 4)
+      (128, 256, 3)
+    """
+    blocks = -(-n // unit)
+    return unit * -(-blocks // replicas)
+
+
 def all_reduce_compressed(codec: Codec, axis_name: str = REPLICA) -> Reducer:
     """A compressed all-reduce in two steps (reduce-scatter, then all-gather), each sending
     ``codec``-encoded data.
 
-    The flattened payload is cut into R shards of ``m = ceil(n / R)`` elements. Each replica
-    encodes its R shards and sends shard i to replica i (an all-to-all of encoded shards: the
-    reduce-scatter); replica i decodes the R copies of its shard and averages them in
-    float32, encodes that mean and all-gathers it; every replica decodes the R mean shards.
+    Each group's flattened payload (n elements) is cut into R shards of whole codec blocks,
+    ``m = B ceil(ceil(n / B) / R)`` elements (:func:`shard_size`; ``B`` = ``codec.block``,
+    1 for a codec without blocks; the last shards zero-padded). Each replica encodes its R
+    shards and sends shard i to replica i (an all-to-all of encoded shards: the
+    reduce-scatter); replica i decodes the R copies of its shard and averages them in float32,
+    encodes that mean and all-gathers it; every replica decodes the R mean shards.
 
     .. math::
 
-        \\bar x_i = D\\Big(C\\Big(\\frac1R \\sum_r D(C(x_{r,i}))\\Big)\\Big)
+        \\bar x_b = D\\Big(C\\Big(\\frac1R \\sum_r D(C(x_{r,b}))\\Big)\\Big)
+        \\quad \\text{for every block } b \\text{ of the vector}
+
+    A shard starts on a block boundary, so both quantizations use the blocks of the whole
+    vector (element 0 on): the reduction is block by block. ``roundtrip(payload)`` is what a
+    replica transmits, ``D(C(x))`` per block: error feedback sends it and keeps the rest, and
+    the collective re-encodes it to the same codes (a block codec is idempotent), so the
+    mean's first quantization is of exactly what error feedback encoded. Cut into chunks of
+    whole blocks (a spread transfer), each chunk reduces to the whole reduction's values.
 
     A replica sends ``2 (R-1)`` encoded shards, ``~2 (R-1)/R`` times the encoded payload: what
     a ring all-reduce sends uncompressed, against ``R-1`` times for
@@ -128,13 +154,17 @@ def all_reduce_compressed(codec: Codec, axis_name: str = REPLICA) -> Reducer:
       >>> jax.vmap(reduce, axis_name="replica")(jnp.array([[1.0, 0.5], [3.0, -0.5]]))
       Array([[2., 0.],
              [2., 0.]], dtype=float32)
+      >>> from co2jax.comm import two_bit  # what one replica transmits: blocks of 4, any R
+      >>> all_reduce_compressed(two_bit(block=4)).roundtrip(jnp.array([4.0, 1, -3, 2, -1, 0.5]))
+      Array([ 4.,  0., -4.,  4., -1.,  1.], dtype=float32)
     """
     check_axis_name("axis_name", axis_name)
+    unit = codec.block or 1
 
     def reduce_group(leaves: list, r: int) -> jax.Array:
         flat, _ = flatten(leaves)
         n = flat.size
-        m = -(-n // r)
+        m = shard_size(n, r, unit)
         shards = jnp.pad(flat, (0, r * m - n)).reshape(r, m)
         encoded = jax.vmap(codec.encode)(shards)  # leading axis: the destination replica
         mine = jax.lax.all_to_all(encoded, axis_name, 0, 0)  # leading axis: the source
@@ -149,11 +179,20 @@ def all_reduce_compressed(codec: Codec, axis_name: str = REPLICA) -> Reducer:
         form, groups = Grouped.of(payload)
         return form.assemble([reduce_group(g, r) for g in groups])
 
-    def wire(shapes, replicas: int) -> float:
-        n = tree_size(shapes)
-        return 2.0 * (replicas - 1) * codec.wire_bytes(-(-n // replicas)) if replicas > 1 else 0.0
+    def roundtrip(payload: Payload) -> Payload:
+        # the shards are whole blocks of each group's vector: encoding the vector encodes
+        # every shard's blocks, and needs no replica count
+        form, groups = Grouped.of(payload)
+        return form.assemble([codec.roundtrip(flatten(g)[0]) for g in groups])
 
-    return Reducer(f"all_reduce_compressed({codec.name})", reduce, wire, codec=codec)
+    def wire(shapes, replicas: int) -> float:
+        if replicas <= 1:
+            return 0.0
+        shard = codec.wire_bytes(shard_size(tree_size(shapes), replicas, unit))
+        return 2.0 * (replicas - 1) * shard
+
+    name = f"all_reduce_compressed({codec.name})"
+    return Reducer(name, reduce, wire, codec=codec, roundtrip=roundtrip)
 
 
 def all_gather_topk(

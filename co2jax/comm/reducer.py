@@ -79,6 +79,11 @@ class Reducer(NamedTuple):
         on their own gives those units of the whole reduction: an exact mean, or a gather of
         a codec that encodes each block on its own. A driver may then split a payload over
         a replica's devices (:func:`co2jax.comm.chunks.reduce`).
+      roundtrip: for a compressed reducer without a gather form (the two-step compressed
+        all-reduce), ``roundtrip(payload) -> payload``: the values one replica's payload is
+        transmitted as (its encoding decoded, in the reducer's own block layout), shaped like
+        the payload; reduced, they encode to the same codes. What error feedback sends and
+        subtracts (with a gather form it sends ``encode(payload)`` itself).
     """
 
     name: str
@@ -92,6 +97,7 @@ class Reducer(NamedTuple):
     reach: str = "all"
     splittable: bool = False
     unfused: Any = None
+    roundtrip: Callable[[Payload], Payload] | None = None
 
     def __call__(self, payload: Payload) -> Any:
         return self.reduce(payload)
