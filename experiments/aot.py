@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import co2jax
-from experiments import checks, train
+from experiments import checks, programs
 from experiments import config as config_lib
 from experiments import model as model_lib
 
@@ -50,11 +50,11 @@ def compile_round(cfg, devices) -> dict:
     """The round of ``cfg`` on ``devices``, compiled: per-chip memory (bytes) and seconds."""
     m = cfg.mesh
     mesh = co2jax.make_mesh(m.replica, m.data, m.model, devices=devices)
-    mcfg = train.model_config(cfg, cfg.data.vocab_size)
+    mcfg = programs.model_config(cfg, cfg.data.vocab_size)
     abstract = nnx.eval_shape(lambda: model_lib.Transformer(mcfg, nnx.Rngs(cfg.train.seed)))
     graphdef, params = nnx.split(abstract, nnx.Param)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    trainer, _, _ = train.build_trainer(cfg, mesh, graphdef, params)
+    trainer, _, _ = programs.build_trainer(cfg, mesh, graphdef, params)
     R, H = mesh.shape["replica"], cfg.train.sync_every
     shape = (R, H, cfg.data.batch, cfg.data.seq_len + 1)
     batch = jax.ShapeDtypeStruct(

@@ -112,6 +112,18 @@ class Checkpoints:
         )
         return restored["run"]
 
+    def newest_run(self) -> tuple[int, dict | None] | None:
+        """``(step, identity)`` of the newest checkpoint whose identity reads back (identity
+        None: a checkpoint written without one), or None when none does: read before the
+        state, so that another run's checkpoints are named as such, not as a state whose
+        tree does not match."""
+        for step in reversed(self.steps()):
+            try:
+                return step, self.run_of(step)
+            except Exception:  # unreadable: the restore will skip it and say so
+                continue
+        return None
+
     def restore_data(self, step: int, iterator: Any) -> bool:
         """Sets the Grain ``iterator`` to the state saved at ``step``; False (iterator
         untouched) when that checkpoint holds none."""

@@ -45,11 +45,11 @@ from pathlib import Path
 import numpy as np
 
 from co2jax.algorithms import registry
-from experiments import checks, study_reports, study_run, train
+from experiments import checks, programs, study_reports, study_run, train
 from experiments import config as config_lib
 from experiments import model as model_lib
+from experiments.files import write_atomic
 from experiments.report import exit_status, progress_line, write_report
-from experiments.rundir import write_atomic
 from experiments.studies import STUDIES
 from experiments.sweep_rows import (
     ABLATIONS,
@@ -261,8 +261,7 @@ def _run_row(entry: dict, out: Path, link: Link, rerun: bool) -> dict:
             raise KeyboardInterrupt(str(e)) from e
         for run in entry["runs"]:  # the report links each row's config, ran or not
             if not (run["dir"] / "config.json").exists():
-                run["dir"].mkdir(parents=True, exist_ok=True)
-                (run["dir"] / "config.json").write_text(config_lib.to_json(run["cfg"]))
+                write_atomic(run["dir"] / "config.json", config_lib.to_json(run["cfg"]))
         row.update(status="failed", error=_one_line(e), ran=ran, reused=reused)
         return row
     row.update(summary)
@@ -303,13 +302,13 @@ def run_sweep(
     the rest "not run") is written and the interrupt re-raised.
     """
     out = Path(out)
-    train.setup_devices(base)  # before the first device query starts JAX's backend
+    programs.setup_devices(base)  # before the first device query starts JAX's backend
     import jax
 
     plan = plan_sweep(base, out, sweep, seeds, jax.device_count(), fixes, command_line)
     rows = [_base_row(entry, out) for entry in plan]
     try:
-        with train.shared_programs():  # a row's seeds run one set of compiled programs
+        with programs.shared_programs():  # a row's seeds run one set of compiled programs
             for i, entry in enumerate(plan):
                 rows[i] = row = _run_row(entry, out, link, rerun)
                 print(progress_line(row, seeds), flush=True)

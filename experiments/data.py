@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -54,6 +55,7 @@ from experiments.sources import (
     MarkovSource,
     TokenFile,
     checked_int,
+    skipped_note,
     stdlib_corpus,
 )
 
@@ -283,7 +285,9 @@ def make_streams(kind: str | Mapping[str, Any], /, **options: Any) -> ReplicaStr
     * ``markov``: ``vocab_size`` (64), ``branching`` (4), ``temperature`` (1.0),
       ``source_seed`` (``seed``); non-iid builds one chain per replica, seeds
       ``[source_seed, r]``.
-    * ``text``: ``path`` (file, directory, glob or list), ``max_bytes`` (None).
+    * ``text``: ``path`` (file, directory, glob or list), ``max_bytes`` (None); files that are
+      not text (:func:`experiments.sources.is_text`) are skipped with a one-line warning on
+      stderr saying how many, and a path with no text file is refused.
     * ``stdlib``: ``max_bytes`` (20 MB) of :func:`stdlib_corpus`.
     * ``tokens``: ``path`` to a ``.bin``, ``token_dtype`` ('auto': its sidecar's, else
       uint16), ``vocab_size`` (default: the sidecar's, else max id + 1; one that disagrees
@@ -322,7 +326,17 @@ def make_streams(kind: str | Mapping[str, Any], /, **options: Any) -> ReplicaStr
         if vocab is not None and checked_int("vocab_size", vocab, 1) < 256:
             raise ValueError(f"vocab_size={vocab}: byte-level text needs vocab_size >= 256")
         cap = o.get("max_bytes", None if kind == "text" else 20_000_000)
-        sources = [ByteText(path if kind == "text" else stdlib_corpus(cap), max_bytes=cap)]
+        if kind == "stdlib":  # a fixed corpus, read as it is (a few files there are Latin-1)
+            sources = [ByteText(stdlib_corpus(cap), max_bytes=cap, text_only=False)]
+        else:
+            sources = [ByteText(path, max_bytes=cap)]
+            if sources[0].skipped:
+                n, kept = sum(sources[0].skipped.values()), len(sources[0].paths)
+                print(
+                    f"warning: data.path={path}: skipped {n} of {n + kept} files "
+                    f"({skipped_note(sources[0].skipped)}); reading the other {kept}",
+                    file=sys.stderr,
+                )
     else:
         dtype = o.get("token_dtype", "auto")
         if dtype not in ("auto", "uint16", "uint32"):

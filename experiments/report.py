@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import config as config_lib
-from experiments.rundir import write_atomic
+from experiments.files import write_atomic
 from experiments.sweep_rows import Link
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,8 +8,9 @@ divergence).
 - :class:`Writers`: ``metrics.jsonl`` and TensorBoard scalars (step: the round; the losses
   also against tokens), the config as TensorBoard hyperparameters; on resume
   :func:`kept_records` keeps the records up to the restored round (a torn last line is
-  dropped) and TensorBoard's ``purge_step`` hides the scalars logged after it.
-- :class:`Signals`: SIGINT/SIGTERM set a flag the training loop reads at a round boundary.
+  dropped) and the event files are written anew from them (:func:`rebuild_tensorboard`).
+- :class:`Interrupted`, :class:`Diverged`: the ways a run stops (the signal handlers that
+  set the flag are :mod:`experiments.interrupts`, importable before JAX).
 
 Example:
   >>> import tempfile, json
@@ -24,19 +25,20 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import signal
 import sys
-import threading
 import uuid
 from pathlib import Path
 
 import numpy as np
 
 from experiments import config as config_lib
+from experiments.files import write_atomic
 
 LOSSES = ("train_loss", "eval_loss")
 """The scalars also logged against tokens (``by_tokens/<name>``) and listed as the
@@ -58,57 +60,59 @@ class Writers:
 
     TensorBoard's step is the outer round (``tensorboard/``); the losses are logged a second
     time against tokens seen (``tensorboard/by_tokens/``, tags ``by_tokens/train_loss``, ...:
-    a writer of its own, since TensorBoard hides a resumed run's overlap by step, per
-    writer). A fresh run writes its config as hyperparameters (the HParams dashboard, metrics
-    :data:`LOSSES`); a resumed one (``resumed_at``: the restored round and its tokens) opens
-    its writers with ``purge_step`` just past them, so TensorBoard hides what the interrupted
-    run logged after its checkpoint (the resumed run logs it again). ``finish()`` ends the
-    HParams session once the last round is logged.
+    a writer of its own). The config goes in as hyperparameters (the HParams dashboard,
+    metrics :data:`LOSSES`); ``finish()`` ends the HParams session once the last round is
+    logged. Every record is flushed to both when written, so a killed run's event files
+    hold what its ``metrics.jsonl`` holds.
+
+    ``metrics.jsonl`` is the run's record of truth: a resumed run (``resumed``: the records
+    it keeps, :func:`kept_records`) writes its event files anew from them
+    (:func:`rebuild_tensorboard`) before it logs its next round, so after any kill and resume
+    the event files hold every round ``metrics.jsonl`` holds, once, whatever the killed
+    process had flushed.
     """
 
     def __init__(
         self,
         out: Path,
         tensorboard: bool,
-        resumed_at: tuple[int, int] | None = None,
+        resumed: list[dict] | None = None,
         hparam_dict: dict | None = None,
     ):
         out.mkdir(parents=True, exist_ok=True)
         self.jsonl = (out / "metrics.jsonl").open("a")
         self.tb, self.tb_tokens, self.session_end = None, None, None
-        if tensorboard:
-            try:
-                from tensorboardX import SummaryWriter
-                from tensorboardX.summary import hparams as hparam_summaries
-            except ImportError:  # optional: pip install co2jax[experiments]
-                return
-            purge = (None, None) if resumed_at is None else (resumed_at[0] + 1, resumed_at[1] + 1)
-            self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=purge[0])
-            self.tb_tokens = SummaryWriter(
-                str(out / "tensorboard" / "by_tokens"), purge_step=purge[1]
-            )
-            if hparam_dict is not None:
-                exp, start, self.session_end = hparam_summaries(
-                    hparam_dict, dict.fromkeys(LOSSES, 0.0)
-                )
-                if resumed_at is None:
-                    self.tb.file_writer.add_summary(exp)
-                    self.tb.file_writer.add_summary(start)
+        if not tensorboard:
+            return
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:  # optional: pip install co2jax[experiments]
+            return
+        if resumed is not None:
+            rebuild_tensorboard(out / "tensorboard", resumed, hparam_dict)
+        # named to sort after a rebuilt file of the same second (TensorBoard reads in name order)
+        self.tb = SummaryWriter(str(out / "tensorboard"), filename_suffix=".1")
+        self.tb_tokens = SummaryWriter(str(out / "tensorboard" / "by_tokens"), filename_suffix=".1")
+        if hparam_dict is not None:
+            exp, start, self.session_end = _hparam_summaries(hparam_dict)
+            if resumed is None:  # a rebuilt directory has them already
+                self.tb.file_writer.add_summary(exp)
+                self.tb.file_writer.add_summary(start)
+                self.tb.flush()
 
     def write(self, record: dict) -> None:
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, int | float) and key != "round":
-                    self.tb.add_scalar(key, value, record["round"])
-                    if key in LOSSES:
-                        self.tb_tokens.add_scalar(f"by_tokens/{key}", value, record["tokens"])
+            _log_scalars(self.tb, self.tb_tokens, record)
+            self.tb.flush()
+            self.tb_tokens.flush()
 
     def finish(self) -> None:
         """The run's last round is logged: end the HParams session."""
         if self.tb is not None and self.session_end is not None:
             self.tb.file_writer.add_summary(self.session_end)
+            self.tb.flush()
 
     def close(self) -> None:
         self.jsonl.close()
@@ -117,26 +121,57 @@ class Writers:
             self.tb_tokens.close()
 
 
+def _hparam_summaries(hparam_dict: dict) -> tuple:
+    from tensorboardX.summary import hparams as hparam_summaries
+
+    return hparam_summaries(hparam_dict, dict.fromkeys(LOSSES, 0.0))
+
+
+def _log_scalars(tb, tb_tokens, record: dict) -> None:
+    """One round's record as scalars: every number by the round, the losses also by tokens."""
+    for key, value in record.items():
+        if isinstance(value, int | float) and key != "round":
+            tb.add_scalar(key, value, record["round"])
+            if key in LOSSES:
+                tb_tokens.add_scalar(f"by_tokens/{key}", value, record["tokens"])
+
+
+def rebuild_tensorboard(directory: Path, records: list[dict], hparam_dict: dict | None) -> None:
+    """Replaces ``directory``'s event files with ones written from ``records`` (and the
+    hyperparameters' experiment and session start, when given): each round once.
+
+    Written beside it (``<directory>.rebuild``), then swapped in by renames; a kill at any
+    point leaves the old files or the new ones, and the next resume rebuilds again (a
+    leftover ``.rebuild`` or ``.old`` directory is removed first)."""
+    from tensorboardX import SummaryWriter
+
+    fresh = directory.with_name(directory.name + ".rebuild")
+    old = directory.with_name(directory.name + ".old")
+    for leftover in (fresh, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    tb = SummaryWriter(str(fresh), filename_suffix=".0")
+    tb_tokens = SummaryWriter(str(fresh / "by_tokens"), filename_suffix=".0")
+    try:
+        if hparam_dict is not None:
+            exp, start, _ = _hparam_summaries(hparam_dict)
+            tb.file_writer.add_summary(exp)
+            tb.file_writer.add_summary(start)
+        for record in records:
+            _log_scalars(tb, tb_tokens, record)
+    finally:
+        tb.close()
+        tb_tokens.close()
+    for path in fresh.rglob("events.out.tfevents.*"):
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+    if directory.exists():
+        os.replace(directory, old)
+    os.replace(fresh, directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 RUN_FILE = "run.json"
 """The run directory's identity (:func:`identity`), next to ``config.json``."""
-
-
-def replace_synced(tmp: Path, path: Path) -> None:
-    """Flushes ``tmp`` to the disk, then renames it over ``path``: a kill at any point leaves
-    the old file or the new one, whole."""
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Writes ``data`` to a temporary sibling and :func:`replace_synced` it over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data if isinstance(data, bytes) else data.encode())
-    replace_synced(tmp, path)
 
 
 class RunError(ValueError):
@@ -224,6 +259,8 @@ def check_identity(
     if other:
         what = f"run {stored.get('run_id')}'s checkpoints, not this run's ({mine['run_id']})"
         what += f", written under {fields}" if changed else ""
+    elif not known and stored.get("run_id"):  # a new run directory: the checkpoints' own run
+        what = f"run {stored['run_id']}'s checkpoints, written under {fields}"
     else:
         what = f"checkpoints written under {fields}"
     if not allow_change:
@@ -235,12 +272,57 @@ def check_identity(
     return mine
 
 
+RUN_FILES = ("config.json", RUN_FILE, "metrics.jsonl", "tensorboard", "result.json")
+"""What a run directory holds (``result.json``: a sweep's row), beside its temporaries
+(``.<name>.tmp``, ``tensorboard.rebuild``, ``tensorboard.old``) and a sweep row's
+``checkpoints/``."""
+
+
+def _not_a_runs(directory: Path, checkpoints: bool, ckpt: Path | None = None) -> list[str]:
+    """The names in ``directory`` that no run writes there: a run directory's files
+    (:data:`RUN_FILES`, and ``ckpt``, the run's checkpoint directory, when it lies there), or
+    a checkpoint directory's orbax steps (``checkpoints``)."""
+    if not directory.is_dir():
+        return []
+    foreign = []
+    for p in sorted(directory.iterdir()):
+        name = p.name
+        if name.startswith(".") and name.endswith(".tmp"):
+            continue  # the atomic writer's temporary
+        if checkpoints:
+            ours = p.is_dir() and (name.isdigit() or ".orbax-checkpoint-tmp" in name)
+        else:
+            ours = name in RUN_FILES or name in ("tensorboard.rebuild", "tensorboard.old")
+            inside = ckpt is not None and p.absolute() == ckpt.absolute()
+            ours = ours or ((inside or name == "checkpoints") and not _not_a_runs(p, True))
+        if not ours:
+            foreign.append(name)
+    return foreign
+
+
+def _holds(directory: Path, checkpoints: bool) -> str:
+    """What a used run or checkpoint directory holds, for the message that refuses it."""
+    if checkpoints:
+        steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+        return f"checkpoints at rounds {steps}" if steps else "no checkpoint"
+    metrics = directory / "metrics.jsonl"
+    rounds = []
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                rounds.append(int(json.loads(line)["round"]))
+    if rounds:
+        return f"last logged round: {rounds[-1]}"
+    return "a run that logged no round"
+
+
 def claim(
     cfg: config_lib.Config, out: Path, resume: bool, overwrite: bool, allow_change: bool = False
 ) -> None:
     """Checks that ``out`` (and the checkpoint dir) may hold this run, before anything is
     written: one config owns a run directory (``allow_change``: a resumed run may change
-    it)."""
+    it). ``overwrite`` deletes the old run, and only a run: a directory holding files no run
+    writes (``checkpoint.dir=.`` beside a corpus, say) is refused, never deleted."""
     ckpt = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
     if resume and overwrite:
         raise RunError("--resume and --overwrite: choose one")
@@ -257,45 +339,43 @@ def claim(
                     " pass --allow-config-change to continue it under this one"
                 )
         return
-    used = [p for p in (out, ckpt) if p is not None and p.exists() and any(p.iterdir())]
+    dirs = [(out, False)] + ([(ckpt, True)] if ckpt is not None else [])
+    used = [(p, c) for p, c in dirs if p.is_dir() and any(p.iterdir())]
+    for p, c in used:
+        foreign = _not_a_runs(p, c, ckpt)
+        if foreign:
+            key = "checkpoint.dir" if c else "the run directory"
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise RunError(
+                f"{key} {p} holds files that are not a run's ({shown}): choose another "
+                f"{'checkpoint.dir' if c else 'log.dir or name'}"
+            )
     if used and not overwrite:
+        p, c = used[0]
         raise RunError(
-            f"{used[0]} already holds a run: pass --resume to continue it or --overwrite to "
-            "replace it"
+            f"{p} already holds a run ({_holds(p, c)}): pass --resume to continue it or "
+            "--overwrite to replace it"
         )
-    for p in used:  # --overwrite: the old run goes, before this one writes anything
-        shutil.rmtree(p)
+    for p, _ in used:  # --overwrite: the old run goes, before this one writes anything
+        if p.exists():  # (a checkpoint directory inside the run directory went with it)
+            shutil.rmtree(p)
 
 
-class Signals:
-    """SIGINT/SIGTERM set a flag the loop reads at the next round boundary (a second one
-    interrupts at once); handlers are installed only in the main thread. Entered again while
-    installed (the command installs them on its first line, the run enters them again), it
-    keeps the flag: a signal during start-up stops the run at its first round boundary."""
-
-    def __init__(self):
-        self.signum, self._old, self._depth = None, {}, 0
-
-    def _handle(self, signum, frame):
-        if self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this round", file=sys.stderr)
-
-    def __enter__(self):
-        self._depth += 1
-        if self._depth == 1 and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        self._depth -= 1
-        if self._depth:
-            return
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old = {}
+def discard_unstarted(out: Path) -> None:
+    """Removes what a fresh run wrote into ``out`` when it ends before logging its first
+    round (a failure or a stop during start-up), so that the same command runs again as it
+    is. A run that logged a round keeps everything."""
+    metrics = out / "metrics.jsonl"
+    if metrics.exists() and metrics.read_text().strip():
+        return
+    for name in (*RUN_FILES, "tensorboard.rebuild", "tensorboard.old"):
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.exists():
+            p.unlink()
+    with contextlib.suppress(OSError):
+        out.rmdir()  # only when nothing else is left in it
 
 
 def check_finite(rounds: int, loss: np.ndarray) -> None:

@@ -4,10 +4,35 @@
 (any flat token array), :class:`ByteText` (bytes of text files, vocab 256;
 :func:`stdlib_corpus` lists a real corpus present on every machine) and :class:`TokenFile`
 (pre-tokenized flat ``.bin``). :mod:`experiments.data` cuts them into replica streams.
+
+What counts as text is one rule, :func:`is_text`, for ``data.kind=text`` (:class:`ByteText`)
+and for :mod:`experiments.tokenize_corpus` alike: a file is text when it is not empty, holds
+no NUL byte and decodes as UTF-8. :func:`keep_text` keeps those among the files a path names
+and counts the others by kind; none of them text is refused in one line naming the path (a
+single file: ``is empty``, ``is not UTF-8 text``), some of them is not (the caller warns,
+saying how many were skipped). ``data.kind=stdlib`` reads the standard library's files as
+they are (a fixed corpus: a few test modules there are Latin-1).
+
+A token file without a sidecar is read as the dtype asked for (uint16 for ``auto``), and a
+dtype its content contradicts is refused, naming the dtype rather than the vocabulary: a
+uint16 file read as uint32 (ids far beyond any vocabulary, which read as uint16 are small) or
+a 32-bit file read as uint16 (every second id 0).
+
+Example:
+  >>> import pathlib, tempfile
+  >>> d = pathlib.Path(tempfile.mkdtemp())
+  >>> _ = (d / "a.txt").write_text("some text")
+  >>> _ = (d / "b.bin").write_bytes(bytes(range(256)))
+  >>> is_text(d / "a.txt"), is_text(d / "b.bin")
+  (True, False)
+  >>> text = ByteText(d)
+  >>> text.tokens.tobytes(), text.skipped
+  (b'some text', {'not UTF-8 text': 1})
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import math
@@ -209,19 +234,105 @@ def resolve_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> lis
     return files
 
 
+EMPTY, NOT_TEXT, UNREADABLE = "empty", "not UTF-8 text", "unreadable"
+_TEXT_CHUNK = 1 << 20
+
+
+def text_kind(path: str | os.PathLike, limit: int | None = None) -> str:
+    """``"text"``, or why the file at ``path`` is not: ``"empty"``, ``"not UTF-8 text"`` (bytes
+    that are not UTF-8, or a NUL byte: binary) or ``"unreadable"``. With ``limit``, only its
+    first ``limit`` bytes are judged (a character cut at the limit is not held against it)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return EMPTY
+            want = size if limit is None else min(size, limit)
+            decoder, done = codecs.getincrementaldecoder("utf-8")(), 0
+            while done < want:
+                chunk = f.read(min(_TEXT_CHUNK, want - done))
+                if not chunk:
+                    break
+                done += len(chunk)
+                if b"\0" in chunk:
+                    return NOT_TEXT
+                if not (chunk.isascii() and not decoder.getstate()[0]):  # ASCII: valid as is
+                    decoder.decode(chunk)
+            decoder.decode(b"", final=want >= size)
+    except UnicodeDecodeError:
+        return NOT_TEXT
+    except OSError:
+        return UNREADABLE
+    return "text"
+
+
+def is_text(path: str | os.PathLike, limit: int | None = None) -> bool:
+    """Whether ``path`` is a text file: not empty, no NUL byte, UTF-8 (:func:`text_kind`). The
+    one rule of ``data.kind=text`` and :mod:`experiments.tokenize_corpus`."""
+    return text_kind(path, limit) == "text"
+
+
+def skipped_note(skipped: dict[str, int]) -> str:
+    """``{"empty": 1, "not UTF-8 text": 2}`` as ``"1 empty, 2 not UTF-8 text"``."""
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(skipped.items()))
+
+
+def keep_text(
+    files: Sequence[Path],
+    entries: str | os.PathLike | Sequence[str | os.PathLike],
+    name: str = "path",
+    max_bytes: float = math.inf,
+) -> tuple[list[Path], dict[str, int]]:
+    """The text files (:func:`is_text`) among ``files`` (what ``entries`` matched,
+    :func:`resolve_paths`), in order, and how many of each other kind were skipped. With
+    ``max_bytes``, files are judged only until that many bytes of text are kept (the last
+    one up to the cap). Raises ``ValueError`` naming ``name=entries`` when none is text."""
+    texts: list[Path] = []
+    skipped: dict[str, int] = {}
+    kept = 0
+    for f in files:
+        if kept >= max_bytes:
+            break
+        kind = text_kind(f, None if max_bytes == math.inf else int(max_bytes - kept))
+        if kind == "text":
+            texts.append(f)
+            kept += f.stat().st_size
+        else:
+            skipped[kind] = skipped.get(kind, 0) + 1
+    if texts:
+        return texts, skipped
+    listed = [entries] if isinstance(entries, str | os.PathLike) else list(entries)
+    shown = str(listed[0]) if len(listed) == 1 else [str(e) for e in listed]
+    n = sum(skipped.values())
+    if len(listed) == 1 and n == 1 and Path(listed[0]).is_file():
+        why = "cannot be read" if UNREADABLE in skipped else f"is {next(iter(skipped))}"
+    elif set(skipped) == {EMPTY}:
+        why = f"its {n} files are empty" if n > 1 else "its 1 file is empty"
+    else:
+        why = f"none of its {n} files is UTF-8 text ({skipped_note(skipped)})"
+    raise ValueError(f"{name}={shown!r}: {why}")
+
+
 class ByteText(Corpus):
     """Byte-level tokens (vocab 256) of text files, concatenated in order.
 
-    ``paths``: a file, directory or glob, or a list of them (see ``resolve_paths``). A single file
-    is memory-mapped; several are read into one ``uint8`` array, stopping once ``max_bytes``
+    ``paths``: a file, directory or glob, or a list of them (see ``resolve_paths``). Files that
+    are not text (:func:`is_text`: empty, binary, not UTF-8) are skipped and counted in
+    ``skipped`` (``{"not UTF-8 text": 2}``); none of them text is refused, naming the path.
+    ``text_only=False`` reads every file's bytes as they are. A single file is
+    memory-mapped; several are read into one ``uint8`` array, stopping once ``max_bytes``
     (if given) are in; the result is truncated to ``max_bytes``.
     """
 
-    def __init__(self, paths, max_bytes: int | None = None):
-        self.paths = resolve_paths(paths)
+    def __init__(self, paths, max_bytes: int | None = None, text_only: bool = True):
+        files = resolve_paths(paths)
         cap = math.inf if max_bytes is None else checked_int("max_bytes", max_bytes, 1)
-        if sum(f.stat().st_size for f in self.paths) == 0:
+        self.skipped: dict[str, int] = {}
+        if text_only:
+            files, self.skipped = keep_text(files, paths, "path", cap)
+        elif sum(f.stat().st_size for f in files) == 0:
             raise ValueError(f"path={str(paths)!r}: the matched files are empty")
+        self.paths = files
         if len(self.paths) == 1:
             tokens = np.memmap(self.paths[0], np.uint8, mode="r")
         else:
@@ -265,7 +376,8 @@ class TokenFile(Corpus):
     and vocabulary are the sidecar's: ``dtype="auto"`` takes them, another dtype or a
     ``vocab_size`` that disagrees is refused in one line. Without one, ``dtype="auto"`` is
     uint16 and ``vocab_size`` defaults to ``max id + 1``; see :class:`Corpus` for the range
-    check.
+    check. Without one, a dtype the content contradicts is refused naming the dtype (not the
+    vocabulary): uint16 ids read as uint32, or 32-bit ids read as uint16 (module docstring).
     """
 
     def __init__(self, path, dtype: str = "auto", vocab_size: int | None = None, check=True):
@@ -299,7 +411,49 @@ class TokenFile(Corpus):
                 f"{name} itemsize {item} (wrong dtype?)"
             )
         self.path = p
-        super().__init__(np.memmap(p, name, mode="r"), vocab_size, name=str(p), check=check)
+        tokens = np.memmap(p, name, mode="r")
+        if self.info is None and name == "uint16" and _every_second_zero(tokens):
+            raise ValueError(
+                f"dtype={dtype!r}: read as uint16, every second id in {p.name} is 0: it looks "
+                f"like 32-bit ids (uint32, or int32; it has no sidecar "
+                f"{sidecar_path(p).name} to say which)"
+            )
+        try:
+            super().__init__(tokens, vocab_size, name=str(p), check=check)
+        except ValueError:
+            if self.info is None and name == "uint32":
+                _refuse_uint16_as_uint32(p, dtype)
+            raise
+        if self.info is None and name == "uint32" and self.vocab_size > 1 << 16:
+            _refuse_uint16_as_uint32(p, dtype)
+
+
+def _every_second_zero(tokens: np.ndarray) -> bool:
+    """Whether every odd-indexed id is 0 and some even-indexed one is not: the two halves of
+    little-endian 32-bit ids read as uint16. Stops at the first chunk that says otherwise."""
+    if tokens.size < 2 or tokens.size % 2:
+        return False
+    some = False
+    for i in range(0, tokens.size, _CHUNK):  # _CHUNK is even: chunks start at even ids
+        chunk = tokens[i : i + _CHUNK]
+        if chunk[1::2].any():
+            return False
+        some = some or bool(chunk[0::2].any())
+    return some
+
+
+def _refuse_uint16_as_uint32(p: Path, dtype: str) -> None:
+    """Raises ``ValueError`` naming the dtype when ``p``, read as uint32, looks like uint16
+    ids: its largest uint32 id is more than 256 times its largest id read as uint16 (a real
+    vocabulary of up to 2**24 ids read as uint16 already gives 65535)."""
+    hi32 = _extreme(np.memmap(p, np.uint32, mode="r"), np.max)
+    hi16 = _extreme(np.memmap(p, np.uint16, mode="r"), np.max)
+    if hi32 >= 1 << 16 and hi32 > 256 * (hi16 + 1):
+        raise ValueError(
+            f"dtype={dtype!r}: read as uint32, {p.name} holds id {hi32:,}, far beyond any "
+            f"vocabulary; read as uint16 its ids are 0..{hi16}: it looks like uint16 tokens "
+            f"(it has no sidecar {sidecar_path(p).name} to say which)"
+        )
 
 
 def sidecar_path(path: str | os.PathLike) -> Path:

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import model as model_lib
-from experiments.rundir import write_atomic
+from experiments.files import write_atomic
 from experiments.sweep_rows import SWEEP
 
 # the recipe shared by the studies' runs (on top of the cpu-tiny preset)

@@ -102,7 +102,7 @@ def _term_is_interrupt():
 LANES = 2
 # an override that does not change a row's compiled programs where the row keeps it in the
 # state (outer.lr_in_state): rows that differ only in it go to one worker, one after the
-# other, so that the later ones run the first one's programs (train.shared_programs)
+# other, so that the later ones run the first one's programs (programs.shared_programs)
 _SAME_PROGRAM = "outer.learning_rate="
 
 

@@ -4,8 +4,10 @@
         [--vocab-size 4096] [--min-frequency 2] [--eos TOKEN]
 
 ``CORPUS``: files, directories (every non-hidden file under them, recursively, sorted) or glob
-patterns; each file is one document, decoded as UTF-8 (files that are not UTF-8 text are
-skipped and counted). The tokenizer is
+patterns; each file is one document, decoded as UTF-8. Files that are not text are skipped,
+and a one-line warning says how many of each kind: empty, or not UTF-8 text (bytes that do not
+decode, or a NUL byte: :func:`experiments.sources.is_text`, the rule ``data.kind=text`` reads
+by too). The tokenizer is
 
 - the one the user brings: a Hugging Face ``tokenizers`` JSON file (``tokenizer.json``), or a
   SentencePiece ``.model`` (read with the ``sentencepiece`` package, when installed);
@@ -15,10 +17,12 @@ skipped and counted). The tokenizer is
   ``<output>.tokenizer.json``. Nothing is downloaded.
 
 Documents are joined with the end-of-text token (``--eos``; by default the tokenizer's own:
-``<|endoftext|>``, ``</s>``, ``<eos>`` or ``<|end_of_text|>``, none if it has none). The
-tokens go to ``--output`` as a flat array of ``uint16`` (vocabularies up to 65,536) or
-``uint32`` (``np.tofile``, little-endian: what ``data.kind=tokens`` memory-maps), and a
-sidecar ``<output>.json`` records what a run must agree with::
+``<|endoftext|>``, ``</s>``, ``<eos>`` or ``<|end_of_text|>``). A brought tokenizer with
+none of these is warned about in one line: its documents are joined with no separator (name
+the token that ends a document with ``--eos``). The tokens go to ``--output`` as a flat
+array of ``uint16`` (vocabularies up to 65,536) or ``uint32`` (``np.tofile``,
+little-endian: what ``data.kind=tokens`` memory-maps), and a sidecar ``<output>.json``
+records what a run must agree with::
 
     {"format": "co2jax.tokens", "version": 1, "dtype": "uint16", "vocab_size": 4096,
      "tokens": 1234567, "documents": 42, "eos_id": 0, "tokenizer": "corpus.bin.tokenizer.json"}
@@ -26,7 +30,21 @@ sidecar ``<output>.json`` records what a run must agree with::
 A run reading the file (``data.kind=tokens data.path=corpus.bin``) takes the dtype from the
 sidecar and refuses, in one line before anything compiles, a ``data.vocab_size`` or
 ``data.token_dtype`` that disagrees with it, and a file whose size is not the sidecar's count.
-Both files are written under temporary names and renamed into place, the tokens first.
+
+Refused in one line (``error: <setting>=<value>: <why>``, exit status 2) before anything is
+written, the outputs before anything is read: an output (the token file, its sidecar, the
+trained tokenizer) that is an input (a corpus file, a file a directory or glob matched, the
+``--tokenizer`` file; also through a symlink, a hard link or ``..``) or lies inside a corpus
+directory (:func:`experiments.files.check_outputs`); an output that is a directory or not a
+regular file, or whose directory does not exist or cannot be written in. Then, before any
+token is written: a corpus with no text, a tokenizer file that is not one, an unknown
+``--eos`` token. Every output goes through the one
+atomic writer (:func:`experiments.files.atomic_writer`): written under a temporary name,
+flushed, renamed into place once all of it is written, in the order trained tokenizer,
+sidecar, token file (so a token file never stands without the sidecar describing it; a kill
+between two renames leaves the new sidecar beside the old token file, which a run refuses as
+from different runs). A run that fails or is interrupted half-way (the text gives no tokens,
+Ctrl-C) leaves nothing: no temporary, and an old output as it was.
 
 Example:
   >>> import pathlib, tempfile
@@ -40,49 +58,49 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from experiments.rundir import replace_synced
-from experiments.sources import FORMAT, VERSION, resolve_paths, sidecar_path
+from experiments.files import atomic_writer, check_output_file, check_outputs
+from experiments.sources import (
+    FORMAT,
+    VERSION,
+    keep_text,
+    resolve_paths,
+    sidecar_path,
+    skipped_note,
+)
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 _BATCH = 64  # documents encoded per call (the tokenizers library encodes a batch in parallel)
 
 
-def documents(paths: Sequence[str | os.PathLike]) -> tuple[list[Path], int]:
-    """The UTF-8 text files among ``paths`` (see :func:`experiments.sources.resolve_paths`) and
-    how many matched files were skipped as not UTF-8 text. Raises ``ValueError`` naming the
-    entry when nothing matched, or nothing matched is text."""
+def _shown(paths: Sequence[str | os.PathLike]) -> str | list[str]:
+    return str(paths[0]) if len(paths) == 1 else [str(p) for p in paths]
+
+
+def matched(paths: Sequence[str | os.PathLike]) -> list[Path]:
+    """Every file ``paths`` names (:func:`experiments.sources.resolve_paths`), nothing read
+    yet. Raises ``ValueError`` naming the entry that matches no file."""
     try:
-        files = resolve_paths([str(p) for p in paths])
+        return resolve_paths([str(p) for p in paths])
     except ValueError as e:
         raise ValueError(str(e).replace("path=", "corpus=", 1)) from None
-    texts = [f for f in files if _is_text(f)]
-    if not texts:
-        shown = str(paths[0]) if len(paths) == 1 else [str(p) for p in paths]
-        raise ValueError(f"corpus={shown!r}: none of its {len(files)} files is UTF-8 text")
-    return texts, len(files) - len(texts)
-
-
-def _is_text(f: Path) -> bool:
-    try:
-        with open(f, encoding="utf-8") as h:
-            while h.read(1 << 20):
-                pass
-    except (UnicodeDecodeError, OSError):
-        return False
-    return f.stat().st_size > 0
 
 
 def _read(f: Path) -> str:
-    return f.read_text(encoding="utf-8")
+    try:
+        return f.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:  # changed since it was judged text
+        raise ValueError(f"corpus={str(f)!r}: cannot be read as UTF-8 text ({e})") from None
 
 
 class Tokenizer:
@@ -195,52 +213,82 @@ def tokenize_corpus(
     min_frequency: int = 2,
     eos: str | None = None,
     progress=None,
+    warn: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Tokenize ``corpus`` into ``output`` and its sidecar (module docstring); returns the
-    sidecar's fields (plus ``skipped``: files left out as not UTF-8 text)."""
-    output = Path(output)
+    sidecar's fields (plus ``skipped``: how many files were left out as not text). Bad input
+    raises ``ValueError`` before anything is read or written; ``warn`` gets the one-line
+    warnings (default: :func:`warnings.warn`)."""
+    if warn is None:
+        warn = lambda message: warnings.warn(message, stacklevel=3)
+    typed, output = str(output), Path(output)
     if output.suffix == ".json":
-        raise ValueError(f"output={str(output)!r}: the token file's sidecar is <output>.json")
-    if not output.parent.is_dir():
-        raise ValueError(f"output={str(output)!r}: its directory does not exist")
-    files, skipped = documents(corpus)
+        raise ValueError(f"output={typed!r}: the token file's sidecar is <output>.json")
+    if tokenizer is None and vocab_size < 257:
+        raise ValueError(f"vocab_size={vocab_size}: must be >= 257 (256 bytes + end of text)")
+    side, saved = sidecar_path(output), Path(f"{output}.tokenizer.json")
+    outputs = {"": output, "its sidecar": side}
     if tokenizer is None:
-        trained = train_tokenizer(files, vocab_size, min_frequency)
-        saved = Path(f"{output}.tokenizer.json")
-        tmp = saved.with_name(saved.name + ".tmp")
-        trained.save(str(tmp))
-        replace_synced(tmp, saved)
-        tok = _from_hf(trained, str(saved))
-    else:
-        tok = load_tokenizer(tokenizer)
-    dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
-    eos_id = _eos_id(tok, eos)
-    tmp, count = output.with_name(output.name + ".tmp"), 0
-    with open(tmp, "wb") as f:
-        for done, ids in enumerate(_encoded(tok, files, eos_id)):
+        outputs["its tokenizer"] = saved
+    for subject, path in outputs.items():
+        check_output_file(path, "output", typed, subject)
+    files = matched(corpus)
+    inputs = {"corpus": [*files, *(Path(c) for c in corpus if Path(c).is_dir())]}
+    if tokenizer is not None:
+        inputs["tokenizer"] = [Path(tokenizer)]
+    check_outputs(inputs, outputs, "output", typed)
+    with contextlib.ExitStack() as stack:
+        try:  # the token file's temporary first: a directory that cannot be written in says so
+            f = stack.enter_context(atomic_writer(output))
+        except OSError as e:
+            why = f"cannot write in its directory ({e.strerror})"
+            raise ValueError(f"output={typed!r}: {why}") from None
+        tok = None if tokenizer is None else load_tokenizer(tokenizer)
+        eos_id = None if tok is None else _eos_id(tok, eos)  # a brought one: before reading
+        texts, skipped = keep_text(files, [str(c) for c in corpus], "corpus")
+        if skipped:
+            n = sum(skipped.values())
+            warn(
+                f"corpus={_shown(corpus)!r}: skipped {n} of {n + len(texts)} files "
+                f"({skipped_note(skipped)})"
+            )
+        trained = None
+        if tok is None:
+            trained = train_tokenizer(texts, vocab_size, min_frequency)
+            tok = _from_hf(trained, str(saved))
+            eos_id = _eos_id(tok, eos)
+        dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
+        if eos_id is None and len(texts) > 1:
+            warn(
+                f"tokenizer={str(tokenizer)!r}: has no end-of-text token "
+                f"({', '.join(EOS_CANDIDATES)}): its {len(texts)} documents are joined with "
+                "no separator; name the token that ends a document with --eos TOKEN"
+            )
+        count = 0
+        for done, ids in enumerate(_encoded(tok, texts, eos_id)):
             np.asarray(ids, dtype.newbyteorder("<")).tofile(f)
             count += len(ids)
             if progress is not None:
-                progress(done + 1, len(files), count)
-    if count == 0:
-        tmp.unlink()
-        raise ValueError(f"corpus={[str(c) for c in corpus]!r}: the text gave no tokens")
-    info = {
-        "format": FORMAT,
-        "version": VERSION,
-        "dtype": dtype.name,
-        "vocab_size": tok.vocab_size,
-        "tokens": count,
-        "documents": len(files),
-        "eos_id": eos_id,
-        "tokenizer": os.path.relpath(tok.source, output.parent),
-    }
-    side = sidecar_path(output)
-    side_tmp = side.with_name(side.name + ".tmp")
-    side_tmp.write_text(json.dumps(info, indent=1) + "\n")
-    replace_synced(tmp, output)
-    replace_synced(side_tmp, side)
-    return info | {"skipped": skipped}
+                progress(done + 1, len(texts), count)
+        if count == 0:
+            raise ValueError(f"corpus={_shown(corpus)!r}: the text gave no tokens")
+        info = {
+            "format": FORMAT,
+            "version": VERSION,
+            "dtype": dtype.name,
+            "vocab_size": tok.vocab_size,
+            "tokens": count,
+            "documents": len(texts),
+            "eos_id": eos_id,
+            "tokenizer": os.path.relpath(tok.source, output.parent),
+        }
+        # renamed when the blocks end, inner first: the tokenizer, the sidecar, the tokens
+        with atomic_writer(side) as s:
+            s.write((json.dumps(info, indent=1) + "\n").encode())
+            if trained is not None:
+                with atomic_writer(saved) as t:
+                    t.write(trained.to_str(pretty=True).encode())
+    return info | {"skipped": sum(skipped.values())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,9 +313,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.min_frequency < 1:
         parser.error(f"--min-frequency {args.min_frequency}: must be >= 1")
 
+    shown = {"line": False}  # the progress line (a terminal only) is ended before a message
+
+    def end_line() -> None:
+        if shown["line"]:
+            print(file=sys.stderr)
+            shown["line"] = False
+
     def progress(done: int, total: int, tokens: int) -> None:
-        if done == total or done % 100 == 0:
+        if sys.stderr.isatty() and (done == total or done % 100 == 0):
             print(f"\r{done}/{total} documents, {tokens:,} tokens", end="", file=sys.stderr)
+            shown["line"] = True
+
+    def warn(message: str) -> None:
+        end_line()
+        print(f"warning: {message}", file=sys.stderr)
 
     try:
         info = tokenize_corpus(
@@ -278,12 +338,18 @@ def main(argv: list[str] | None = None) -> int:
             args.min_frequency,
             args.eos,
             progress,
+            warn,
         )
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        end_line()
+        print(f"error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2
-    print(file=sys.stderr)
-    skipped = f" ({info['skipped']} files skipped: not UTF-8 text)" if info["skipped"] else ""
+    except OSError as e:  # the disk, while writing (nothing is left: the writer cleans up)
+        end_line()
+        print(f"error: output={args.output!r}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    end_line()
+    skipped = f" ({info['skipped']} files skipped: not text)" if info["skipped"] else ""
     print(
         f"{args.output}: {info['tokens']:,} {info['dtype']} tokens of {info['documents']} "
         f"documents{skipped}, vocabulary {info['vocab_size']} ({info['tokenizer']}); "

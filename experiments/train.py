@@ -12,11 +12,15 @@ checkpoint holds the Grain data iterator's state, so a resumed run reads the sam
 
 from __future__ import annotations
 
+# The command's first line: its SIGINT/SIGTERM handlers go in before JAX is imported (a Ctrl-C
+# raised while JAX loads can be dropped in its garbage-collection callback: experiments.interrupts)
+from experiments import interrupts
+
+if __name__ == "__main__":
+    interrupts.install_early()
+
 import argparse
-import contextlib
-import dataclasses
 import json
-import math
 import os
 import shlex
 import sys
@@ -26,235 +30,15 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import co2jax
-from co2jax import compilation_cache
 from co2jax.algorithms import registry
-from co2jax.axes import DATA
-from co2jax.fragments import make_fragments
 from experiments import checkpoints as ckpt_lib
-from experiments import checks, round_stats, rundir, xla_flags
+from experiments import checks, files, round_stats, rundir
 from experiments import config as config_lib
-from experiments import data as data_lib
 from experiments import inner as inner_lib
-from experiments import model as model_lib
+from experiments.programs import build_validated, setup_devices, with_outer_lr
 from experiments.rundir import Diverged, Interrupted, RunError
-
-
-def setup_devices(cfg: config_lib.Config) -> None:
-    """On CPU, emulate as many devices as the mesh needs; on GPU, ask XLA to overlap the
-    outer reduction with the inner steps (:mod:`experiments.xla_flags`). Before JAX starts a
-    backend: importing JAX, co2jax and the experiment modules starts none."""
-    xla_flags.apply()
-    if (jax.config.jax_platforms or "cpu") == "cpu" and jax.config.jax_num_cpu_devices < 1:
-        sizes = [s for s in (cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model) if s > 0]
-        jax.config.update("jax_num_cpu_devices", max(8, math.prod(sizes)))
-
-
-class Run(NamedTuple):
-    cfg: config_lib.Config
-    trainer: Any
-    streams: Any
-    graphdef: Any
-    params: Any
-    loss_fn: Any
-    eval_fn: Any
-    schedule: Any
-
-
-def build_outer(
-    o: registry.Settings,
-    sync_every: int,
-    schedule,
-    params=None,
-    num_replicas=None,
-    rounds: int | None = None,
-):
-    """The outer algorithm ``o`` names (its settings, validated where the config was loaded:
-    :mod:`co2jax.algorithms.registry`).
-
-    ``params`` (the model's parameters or their shapes) is needed for Streaming DiLoCo's
-    fragments: strided over the transformer blocks, embeddings in fragment 0, the rest last.
-    """
-
-    def fragmenter(params, count):
-        return make_fragments(
-            params, count, layers=r"blocks/(\d+)/", assign={r"^(?!embed)": count - 1}
-        )
-
-    context = registry.Context(sync_every, params, schedule, num_replicas, fragmenter, rounds)
-    return registry.build(o, context)
-
-
-class _Programs(NamedTuple):
-    """What a run builds that its seed does not change: the compiled programs live here."""
-
-    trainer: Any
-    streams: Any
-    model: Any  # the model's config (its parameters come from the seed)
-    graphdef: Any
-    loss_fn: Any
-    eval_fn: Any
-    schedule: Any
-
-
-# None: every build makes its own programs; a dict (inside shared_programs()): the programs of
-# the last few configs that differ only in their seed, name or output settings
-_SHARED: dict | None = None
-_SHARED_KEEP = 2
-
-
-@contextlib.contextmanager
-def shared_programs():
-    """Inside it, runs whose configs differ only in ``train.seed``, ``name``, ``log`` and
-    ``checkpoint`` (and, with ``outer.lr_in_state`` and a constant outer learning rate, in
-    ``outer.learning_rate``: :func:`train` puts it in the state) share one trainer, data
-    streams and eval program, so a sweep's seeds and outer learning rates compile and trace
-    their round program once (the seed only sets the initial parameters).
-    The last two such configs are kept. On the CPU mesh at 140k parameters, M = 8, the
-    second seed of a row spent 2 to 3 s retracing and loading its round program
-    (docs/experiments.md)."""
-    global _SHARED
-    outer, _SHARED = _SHARED, ({} if _SHARED is None else _SHARED)
-    try:
-        yield
-    finally:
-        _SHARED = outer
-
-
-def _lr_in_state(o: registry.Settings) -> bool:
-    """Whether the outer learning rate is a value in the state, not in the program (a
-    constant: a schedule's values are computed in the program)."""
-    if not isinstance(o, registry.OuterStep):
-        return False
-    return o.lr_in_state and o.lr_schedule == "constant" and o.lr_warmup == 0
-
-
-def _programs_key(cfg: config_lib.Config) -> str:
-    outer = cfg.outer
-    if _lr_in_state(outer):
-        outer = dataclasses.replace(outer, learning_rate=0.0)
-    same = dataclasses.replace(
-        cfg,
-        name="",
-        train=dataclasses.replace(cfg.train, seed=0),
-        outer=outer,
-        log=config_lib.Config().log,
-        checkpoint=config_lib.Config().checkpoint,
-    )
-    return config_lib.to_json(same)
-
-
-def _with_outer_lr(state, cfg: config_lib.Config):
-    """``state`` with ``cfg``'s outer learning rate where the state holds it (a trainer
-    shared by :func:`shared_programs` was built with another run's)."""
-    if not _lr_in_state(cfg.outer):
-        return state
-    lr = cfg.outer.learning_rate
-
-    def put(path, x):  # optax.inject_hyperparams keeps it in a dict, one per outer transform
-        if getattr(path[-1], "key", None) != "learning_rate":
-            return x
-        return jax.device_put(np.full(x.shape, lr, x.dtype), x.sharding)
-
-    return state._replace(outer_state=jax.tree_util.tree_map_with_path(put, state.outer_state))
-
-
-def build(cfg: config_lib.Config) -> Run:
-    """Everything a run needs; validates ``cfg`` first (:func:`experiments.checks.validate`,
-    a :class:`~experiments.config.ConfigError` before anything compiles)."""
-    return _build(checks.validate(cfg))
-
-
-def _build(cfg: config_lib.Config) -> Run:
-    """:func:`build` of a validated config (the mesh is checked against the devices)."""
-    setup_devices(cfg)
-    checks.check_devices(cfg, jax.device_count())
-    # the persistent cache off where it is unsafe (multi-device CPU)
-    compilation_cache.guard(jax.devices()[: cfg.mesh.devices], disable=True)
-    key = _programs_key(cfg) if _SHARED is not None else None
-    p = _SHARED.get(key) if key is not None else None
-    if p is None:
-        p, params = _build_programs(cfg)
-        if key is not None:
-            _SHARED[key] = p
-            while len(_SHARED) > _SHARED_KEEP:
-                del _SHARED[next(iter(_SHARED))]
-    else:
-        params = model_lib.init_params(p.model, cfg.train.seed)[1]
-    return Run(cfg, p.trainer, p.streams, p.graphdef, params, p.loss_fn, p.eval_fn, p.schedule)
-
-
-def _build_programs(cfg: config_lib.Config) -> tuple[_Programs, Any]:
-    """The programs of ``cfg`` and its initial parameters."""
-    t = cfg.train
-    mesh = co2jax.make_mesh(cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model)
-    try:  # one Grain pipeline per (replica, data shard): a data device's rows
-        streams = data_lib.make_streams(
-            dataclasses.asdict(cfg.data),
-            replicas=cfg.mesh.replica,
-            steps_per_round=t.sync_every,
-            data_shards=mesh.shape[DATA],
-        )
-    except ValueError as e:  # the data's own checks (a file's size, its sidecar): one line
-        raise config_lib.from_library(ValueError(f"data.{e}")) from None
-    mcfg = model_config(cfg, streams.vocab_size)
-    graphdef, params = model_lib.init_params(mcfg, t.seed)
-    trainer, loss_fn, schedule = build_trainer(cfg, mesh, graphdef, params)
-    eval_fn = model_lib.make_eval_fn(loss_fn, trainer.mesh)
-    eval_batch = jax.device_put(
-        streams.eval_batch(cfg.eval.batch), NamedSharding(trainer.mesh, P())
-    )
-    evaluate = (eval_fn, eval_batch)
-    return _Programs(trainer, streams, mcfg, graphdef, loss_fn, evaluate, schedule), params
-
-
-def model_config(cfg: config_lib.Config, vocab_size: int) -> model_lib.ModelConfig:
-    """The transformer of ``cfg`` over a vocabulary of ``vocab_size`` (checked against the
-    tensor-parallel axis)."""
-    overrides = {
-        k: v
-        for k, v in dataclasses.asdict(cfg.model).items()
-        if k in ("d_model", "n_layers", "n_heads", "d_ff") and v is not None
-    }
-    mcfg = model_lib.preset(
-        cfg.model.preset,
-        vocab_size=vocab_size,
-        max_seq_len=cfg.data.seq_len,
-        dtype=cfg.model.dtype,
-        remat=cfg.model.remat,
-        **overrides,
-    )
-    checks.tensor_parallel(cfg.mesh.model, mcfg)
-    return mcfg
-
-
-def build_trainer(cfg: config_lib.Config, mesh, graphdef, params) -> tuple[Any, Any, Any]:
-    """``(trainer, loss_fn, schedule)`` of ``cfg`` on ``mesh`` for ``params`` (arrays, or
-    ``jax.ShapeDtypeStruct`` leaves: :mod:`experiments.aot` compiles for a TPU topology)."""
-    t, i = cfg.train, cfg.inner
-    loss_fn = model_lib.make_loss_fn(graphdef)
-
-    schedule = inner_lib.schedule(i, t.rounds * t.sync_every)
-    inner = inner_lib.optimizer(i, schedule)
-    inner = registry.inner(
-        cfg.outer, inner, schedule, cfg.train.sync_every
-    )  # DDP averages gradients; DeMo replaces it
-    outer = build_outer(cfg.outer, t.sync_every, schedule, params, rounds=t.rounds)
-    # Pallas' interpreter is not typed for shard_map's varying-axis check (docs/kernels.md)
-    check_vma = getattr(cfg.outer, "implementation", "auto") != "interpret"
-    layout = dict(  # TP: mesh.model
-        shard_outer_state=t.shard_outer_state,
-        fsdp=t.fsdp,
-        offload_outer_state=t.offload_outer_state,
-    )
-    specs = model_lib.partition_specs(params)
-    trainer = co2jax.RoundTrainer(
-        loss_fn, inner, outer, mesh, t.sync_every, check_vma=check_vma, param_specs=specs, **layout
-    )
-    return trainer, loss_fn, schedule
 
 
 class Result(NamedTuple):
@@ -279,7 +63,7 @@ def train_validated(
     stop_after: int | None = None,
     progress: str | None = None,
     allow_config_change: bool = False,
-    signals: rundir.Signals | None = None,
+    signals: interrupts.Signals | None = None,
 ) -> Result:
     """Runs ``cfg``, validated where it was loaded (:func:`experiments.checks.load`, or a
     sweep's plan); returns the per-round records and the final state.
@@ -303,25 +87,55 @@ def train_validated(
     stop the run (:class:`Diverged`)."""
     out = Path(out_dir or os.path.join(cfg.log.dir, cfg.name))
     rundir.claim(cfg, out, resume, overwrite, allow_config_change)
+    try:
+        return _train_claimed(cfg, out, resume, stop_after, progress, allow_config_change, signals)
+    except BaseException:  # a fresh run that logged no round leaves nothing to block a rerun
+        if not resume:
+            rundir.discard_unstarted(out)
+        raise
+
+
+def _train_claimed(
+    cfg: config_lib.Config,
+    out: Path,
+    resume: bool,
+    stop_after: int | None,
+    progress: str | None,
+    allow_config_change: bool,
+    signals: interrupts.Signals | None,
+) -> Result:
+    """:func:`train_validated` once the run directory is claimed."""
     run_id, known = rundir.run_id(out, resume)
     me = rundir.identity(cfg, run_id)
-    run = _build(cfg)
-    trainer, streams, t = run.trainer, run.streams, cfg.train
-
-    state, start = _with_outer_lr(trainer.init(run.params), cfg), 0
     manager = (
         ckpt_lib.Checkpoints(cfg.checkpoint.dir, cfg.checkpoint.keep)
         if cfg.checkpoint.dir
         else None
     )
+    where = f"checkpoint.dir={cfg.checkpoint.dir}"
+    try:  # whose checkpoints these are, before anything is built or written
+        if resume and manager is not None:
+            newest = manager.newest_run()
+            if newest is not None:
+                me = rundir.check_identity(newest[1], me, known, where, allow_config_change)
+            elif not manager.steps():
+                print(f"--resume: {where} holds no checkpoint: round 0", file=sys.stderr)
+        run = build_validated(cfg)
+    except BaseException:
+        if manager is not None:
+            manager.close()
+        raise
+    trainer, streams, t = run.trainer, run.streams, cfg.train
+
+    state, start = with_outer_lr(trainer.init(run.params), cfg), 0
     if resume and manager is not None and manager.steps():
         start, state = manager.restore(trainer.abstract_state(run.params))
-        try:  # whose checkpoints these are, before anything is written
-            where = f"checkpoint.dir={cfg.checkpoint.dir}"
+        try:  # the checkpoint restored may be an older one than the newest
             me = rundir.check_identity(manager.run_of(start), me, known, where, allow_config_change)
         except RunError:
             manager.close()
             raise
+        print(f"resumed from round {start} of {t.rounds} ({where})", file=sys.stderr)
     # the data: a Grain iterator, positioned where the checkpoint's left it (older checkpoints
     # hold none: their round is the position)
     tokens = streams.iterator(start)
@@ -334,19 +148,19 @@ def train_validated(
                 f"{tokens.get_state()}, not at round {start}; the checkpoint is not this run's"
             )
     out.mkdir(parents=True, exist_ok=True)
-    rundir.write_atomic(out / "config.json", config_lib.to_json(cfg))
-    rundir.write_atomic(out / rundir.RUN_FILE, json.dumps(me, indent=1))
+    files.write_atomic(out / "config.json", config_lib.to_json(cfg))
+    files.write_atomic(out / rundir.RUN_FILE, json.dumps(me, indent=1))
     previous = rundir.kept_records(out / "metrics.jsonl", start)
 
     R, H, B, L = streams.shape[0], streams.shape[1], streams.shape[2], streams.shape[3] - 1
     tokens_per_round = R * H * B * L
-    # TensorBoard steps are rounds: a resumed run hides the events after its checkpoint
+    # TensorBoard steps are rounds; a resumed run writes its event files anew from the kept
+    # records, so they hold each round metrics.jsonl holds, once
     writers = rundir.Writers(
-        out,
-        cfg.log.tensorboard,
-        (start, start * tokens_per_round) if resume else None,
-        rundir.hparams(cfg),
+        out, cfg.log.tensorboard, previous if resume else None, rundir.hparams(cfg)
     )
+    if resume and start == t.rounds:  # finished: the rebuilt HParams session ends again
+        writers.finish()
     history, bytes_total = [], (previous[-1]["bytes_total"] if previous else 0.0)
     bytes_slow_total = previous[-1].get("bytes_slow_total", 0.0) if previous else 0.0
     label, progress = progress, None
@@ -370,7 +184,7 @@ def train_validated(
     inner_lrs = np.asarray(jax.vmap(run.schedule)(np.arange(1, t.rounds + 1) * H))
     saved, skipped_run, last_skipped = (start or None), 0, round_stats.skipped(state) or 0
     try:
-        with signals or rundir.Signals() as signals:
+        with signals or interrupts.Signals() as signals:
             end = t.rounds if stop_after is None else min(t.rounds, stop_after)
             if signals.signum is not None and start < end:  # during start-up: no round run
                 raise rundir.Interrupted(signals.signum, start, saved)
@@ -528,11 +342,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("overrides", nargs="*", help="section.field=value (the fields below)")
     args = parser.parse_args(argv)
-    with rundir.Signals() as signals:  # from the start: a signal during start-up is kept
+    with interrupts.command_signals() as signals:  # a signal during start-up is kept
         _run_command(args, signals)
 
 
-def _run_command(args: argparse.Namespace, signals: rundir.Signals) -> None:
+def _run_command(args: argparse.Namespace, signals: interrupts.Signals) -> None:
     """:func:`main` after its arguments are parsed, with the signal handlers installed."""
     try:
         cfg = checks.load(args.preset, args.overrides, args.config)  # the one validation

@@ -79,3 +79,122 @@ def test_adapter_without_params():
     tx = co2jax.local_updates(optax.sgd(0.1), co2jax.local_sgd(), 2)
     with pytest.raises(ValueError, match="params"):
         tx.update(jnp.ones(2), tx.init(jnp.ones(2)))
+
+
+# --- runs of the training driver: nothing lost, nothing silent (experiments/train.py) ---------
+
+
+def _run_cfg(tmp_path, *overrides):
+    from experiments import config as config_lib
+
+    return config_lib.override(
+        config_lib.preset("micro"),
+        [f"log.dir={tmp_path / 'logs'}", "log.tensorboard=false", *overrides],
+    )
+
+
+def _digests(root):
+    """Every file under ``root`` by its SHA-256: what a refused command must leave as it was."""
+    import hashlib
+
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.parametrize("made", [False, True], ids=["missing", "empty"])
+def test_resume_with_no_checkpoint_says_it_starts_at_round_0(made, tmp_path, capsys):
+    """Before: ``--resume`` with a missing or empty checkpoint.dir trained from round 0 with
+    no word. Now it says so in one line, and trains (a scheduler that always passes --resume
+    starts a new run this way)."""
+    from experiments import train
+
+    if made:
+        (tmp_path / "ckpt").mkdir()
+    cfg = _run_cfg(tmp_path, f"checkpoint.dir={tmp_path / 'ckpt'}", "train.rounds=1")
+    history = train.train(cfg, resume=True).history
+    assert [r["round"] for r in history] == [1]
+    err = capsys.readouterr().err
+    assert f"--resume: checkpoint.dir={tmp_path / 'ckpt'} holds no checkpoint: round 0" in err
+
+
+def test_another_runs_checkpoints_of_another_shape_are_named_as_another_runs(tmp_path, capsys):
+    """Before: a new run name resumed from another run's checkpoints of another model shape
+    said 'checkpoint step 2 is unusable (... tree structures do not match)' for intact
+    checkpoints, then 'no kept checkpoint could be restored'. Now the checkpoints' identity is
+    read before their state: another run's, its id and the fields that differ, in one line."""
+    import json
+
+    from experiments import rundir, train
+
+    ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
+    train.train(_run_cfg(tmp_path, ckpt, "train.rounds=2", "checkpoint.every=1"))
+    first = json.loads((tmp_path / "logs" / "micro" / rundir.RUN_FILE).read_text())["run_id"]
+    before = _digests(tmp_path)
+    other = _run_cfg(tmp_path, ckpt, "train.rounds=2", "name=wide", "model.d_model=64")
+    with pytest.raises(train.RunError) as refused:
+        train.train(other, resume=True)
+    message = str(refused.value)
+    assert "\n" not in message and f"holds run {first}'s checkpoints" in message
+    assert "model: " in message or "d_model" in message
+    assert "unusable" not in capsys.readouterr().err
+    assert _digests(tmp_path) == before and not (tmp_path / "logs" / "wide").exists()
+
+
+def test_a_resumed_run_says_which_round_it_resumed_from(tmp_path, capsys):
+    from experiments import train
+
+    cfg = _run_cfg(
+        tmp_path, f"checkpoint.dir={tmp_path / 'ckpt'}", "train.rounds=3", "checkpoint.every=1"
+    )
+    train.train(cfg, stop_after=2)
+    capsys.readouterr()
+    assert [r["round"] for r in train.train(cfg, resume=True).history] == [3]
+    assert f"resumed from round 2 of 3 (checkpoint.dir={tmp_path / 'ckpt'})" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_run_that_fails_before_its_first_round_leaves_nothing_behind(tmp_path, monkeypatch):
+    """Before: a run that failed after validation (a compile error in its first round, say)
+    left config.json, run.json and an empty metrics.jsonl, and the same command was then
+    refused ('already holds a run'). Now the run directory goes with the failure, and the
+    command runs again as it is."""
+    from experiments import train
+
+    real = train.build_validated
+
+    def failing(cfg):
+        run = real(cfg)
+
+        def round_(state, batch):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while compiling")
+
+        run.trainer.round = round_
+        return run
+
+    cfg = _run_cfg(tmp_path, f"checkpoint.dir={tmp_path / 'ckpt'}", "train.rounds=1")
+    monkeypatch.setattr(train, "build_validated", failing)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        train.train(cfg)
+    assert not (tmp_path / "logs" / "micro").exists()
+    monkeypatch.setattr(train, "build_validated", real)
+    assert [r["round"] for r in train.train(cfg).history] == [1]  # no --overwrite needed
+
+
+def test_overwrite_never_deletes_what_is_not_a_run(tmp_path):
+    """``--overwrite`` deleted checkpoint.dir whole: pointed at a folder holding the user's
+    corpus, it would have deleted the corpus. A directory holding files no run writes is
+    refused in one line, and left as it was."""
+    from experiments import train
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "corpus.bin").write_bytes(b"\x01\x02" * 64)
+    before = _digests(tmp_path)
+    cfg = _run_cfg(tmp_path, f"checkpoint.dir={data}", "train.rounds=1")
+    with pytest.raises(train.RunError, match=r"checkpoint\.dir .*data holds files that are not"):
+        train.train(cfg, overwrite=True)
+    assert _digests(tmp_path) == before

@@ -11,7 +11,7 @@ from jax.experimental.compilation_cache import compilation_cache as cc
 import co2jax
 from co2jax import compilation_cache
 from experiments import config as config_lib
-from experiments import train
+from experiments import programs
 
 
 @pytest.fixture
@@ -62,6 +62,6 @@ def test_the_training_driver_turns_the_cache_off(cache_on, tmp_path):
         config_lib.preset("micro"), [f"log.dir={tmp_path}", "outer.algorithm=co2"]
     )
     with pytest.warns(UserWarning, match="turned it off"):
-        train.build(cfg)
+        programs.build(cfg)
     assert not jax.config.jax_enable_compilation_cache
     assert not list(cache_on.glob("*"))  # nothing was written to it

@@ -62,7 +62,8 @@ def test_markov_temperature_lowers_entropy():
 def text_dir(tmp_path):
     d = tmp_path / "docs"
     (d / "sub").mkdir(parents=True)
-    contents = {"a.txt": b"hello world\n", "b.txt": bytes(range(256)), "sub/c.txt": b"\xffz"}
+    # UTF-8 text, multi-byte characters included (kind=text skips files that are not text)
+    contents = {"a.txt": b"hello world\n", "b.txt": "ünï ✓ €\n".encode(), "sub/c.txt": b"z"}
     for name, blob in contents.items():
         (d / name).write_bytes(blob)
     (d / ".hidden").write_bytes(b"secret")

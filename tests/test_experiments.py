@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from co2jax.algorithms import registry
-from experiments import checks, compare, report, sweep_rows, train
+from experiments import checks, compare, programs, report, sweep_rows, train
 from experiments import config as config_lib
 from experiments import inner as inner_lib
 from experiments import model as model_lib
@@ -43,7 +43,7 @@ def test_every_preset_parses_validates_and_round_trips(name):
 
 @pytest.mark.parametrize("name", ["cpu-tiny", "cpu-stdlib"])
 def test_cpu_presets_build(name):
-    run = train.build(config_lib.preset(name))
+    run = programs.build(config_lib.preset(name))
     assert run.trainer.replicas == 4 and run.streams.shape[:2] == (4, run.cfg.train.sync_every)
 
 
@@ -83,7 +83,7 @@ def test_overrides():
 )
 def test_bad_configs_fail_before_compiling(overrides, match, tmp_path):
     with pytest.raises(ValueError, match=match.replace("(", r"\(")):
-        train.build(_micro(tmp_path, *overrides))  # refused by the override or by build
+        programs.build(_micro(tmp_path, *overrides))  # refused by the override or by build
 
 
 # The default suite drives one algorithm of most kinds the driver treats apart (synchronous,
@@ -289,7 +289,7 @@ def test_tensorboard_and_progress(tmp_path, capsys):
         assert key in record
     assert json.loads(record)["clip_fraction"] > 0.9  # round 2 applies the first average
     # the logged inner lr (a table evaluated once) is the schedule at each round's end
-    schedule = train.build(cfg).schedule
+    schedule = programs.build(cfg).schedule
     H = cfg.train.sync_every
     for line in (tmp_path / "micro" / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
@@ -322,12 +322,12 @@ def test_shared_programs_run_each_seed_as_a_build_of_its_own(tmp_path):
         name: _micro(tmp_path / name, *extra, f"name={name}")
         for name, extra in (("s0", []), ("s1", ["train.seed=1"]), ("h", ["train.sync_every=3"]))
     }
-    with train.shared_programs():
-        trainers = {name: train.build(cfg).trainer for name, cfg in configs.items()}
+    with programs.shared_programs():
+        trainers = {name: programs.build(cfg).trainer for name, cfg in configs.items()}
         shared = {name: train.train(cfg).history for name, cfg in configs.items()}
-        assert train.build(configs["s1"]).trainer is trainers["s0"]
+        assert programs.build(configs["s1"]).trainer is trainers["s0"]
     assert trainers["s0"] is trainers["s1"] and trainers["h"] is not trainers["s0"]
-    assert train.build(configs["s0"]).trainer is not train.build(configs["s1"]).trainer
+    assert programs.build(configs["s0"]).trainer is not programs.build(configs["s1"]).trainer
     alone = train.train(configs["s1"], overwrite=True).history
     assert shared["s0"][-1]["eval_loss"] != shared["s1"][-1]["eval_loss"]  # the seed
     drop = ("seconds", "tokens_per_s")
@@ -350,8 +350,8 @@ def test_shared_programs_share_a_round_across_outer_lrs_held_in_the_state(tmp_pa
             ("warm", ["outer.learning_rate=0.9", "outer.lr_warmup=2"]),
         )
     }
-    with train.shared_programs():
-        trainers = {name: train.build(cfg).trainer for name, cfg in configs.items()}
+    with programs.shared_programs():
+        trainers = {name: programs.build(cfg).trainer for name, cfg in configs.items()}
         shared = {name: train.train(cfg).history for name in ("a", "b") for cfg in [configs[name]]}
     assert trainers["a"] is trainers["b"]
     assert trainers["warm"] is not trainers["b"]
@@ -368,9 +368,9 @@ def test_the_driver_trains_round_k_on_the_streams_batch_k(tmp_path):
     """The driver draws round k + 1's tokens while round k computes: its losses are those of
     a plain loop over ``streams.round_batch(k)``."""
     cfg = _micro(tmp_path, "train.rounds=3", "eval.every=0")
-    with train.shared_programs():
+    with programs.shared_programs():
         history = train.train(cfg).history
-        run = train.build(cfg)
+        run = programs.build(cfg)
         state = run.trainer.init(run.params)
         for k, record in enumerate(history):
             state, metrics = run.trainer.round(state, run.streams.round_batch(k))
@@ -440,7 +440,7 @@ def test_tensor_parallel_and_fsdp_halve_the_parameters_and_keep_the_loss(layout)
             config_lib.preset("cpu-tiny"),
             ["mesh.replica=4", "mesh.data=2", "mesh.model=1", "train.sync_every=2", *overrides],
         )
-        run = train.build(cfg)
+        run = programs.build(cfg)
         state = run.trainer.init(run.params)
         batch = run.streams.round_batch(0)
         compiled = run.trainer.lower(state, run.trainer.place_batch(batch)).compile()
@@ -459,7 +459,7 @@ def test_mesh_model_must_divide_what_tensor_parallelism_splits():
         config_lib.preset("cpu-tiny"), ["mesh.replica=1", "mesh.data=1", "mesh.model=8"]
     )
     with pytest.raises(ValueError, match=r"mesh\.model=8: must divide .*n_heads=4"):
-        train.build(cfg)
+        programs.build(cfg)
 
 
 def test_the_gpu_flags_exist_in_this_jaxlib():

@@ -13,6 +13,7 @@ import pytest
 
 from experiments import checkpoints, rundir, train
 from experiments import config as config_lib
+from experiments import files as files_lib
 
 
 def _cfg(tmp_path, *overrides, ckpt=True):
@@ -37,7 +38,8 @@ def _snapshot(root):
 def test_a_used_run_directory_is_refused_before_anything_is_written(tmp_path):
     train.train(_cfg(tmp_path, "train.rounds=1"))
     before = _snapshot(tmp_path)
-    with pytest.raises(train.RunError, match="already holds a run: pass --resume"):
+    why = r"already holds a run \(last logged round: 1\): pass --resume"
+    with pytest.raises(train.RunError, match=why):
         train.train(_cfg(tmp_path, "train.rounds=1", "outer.algorithm=co2"))
     assert _snapshot(tmp_path) == before  # config, metrics and checkpoints untouched
 
@@ -210,7 +212,7 @@ def test_digest_sees_one_flipped_bit():
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_at_the_round_boundary_with_a_checkpoint(signum, tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, "train.rounds=4", "checkpoint.every=10")
-    real = train._build  # the run's build, after its one validation
+    real = train.build_validated  # the run's build, after its one validation
 
     def build(cfg):
         run = real(cfg)
@@ -226,7 +228,7 @@ def test_a_signal_stops_at_the_round_boundary_with_a_checkpoint(signum, tmp_path
         run.trainer.round = round_
         return run
 
-    monkeypatch.setattr(train, "_build", build)
+    monkeypatch.setattr(train, "build_validated", build)
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with pytest.raises(train.Interrupted) as caught:
         train.train(cfg)
@@ -234,7 +236,7 @@ def test_a_signal_stops_at_the_round_boundary_with_a_checkpoint(signum, tmp_path
     assert checkpoints.Checkpoints(tmp_path / "ckpt", 2).steps() == [2]
     # restored to what they were (SIG_IGN for SIGINT in a shell's background job)
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
-    monkeypatch.setattr(train, "_build", real)
+    monkeypatch.setattr(train, "build_validated", real)
     resumed = train.train(cfg, resume=True)
     assert [r["round"] for r in resumed.history] == [3, 4]
 
@@ -282,7 +284,7 @@ def test_a_kill_at_every_write_point_loses_and_duplicates_nothing(tmp_path, monk
     straight = _cfg(tmp_path / "straight", "train.rounds=4", "checkpoint.every=1")
     want = [r["round"] for r in train.train(straight).history]
     train.train(cfg, stop_after=1)
-    real = rundir.replace_synced
+    real = files_lib.replace_synced
     points = 0
     for n in range(1, 10):
         calls = []
@@ -293,12 +295,12 @@ def test_a_kill_at_every_write_point_loses_and_duplicates_nothing(tmp_path, monk
                 raise _Killed(path.name)
             real(tmp, path)
 
-        monkeypatch.setattr(rundir, "replace_synced", dying)
+        monkeypatch.setattr(files_lib, "replace_synced", dying)
         try:
             train.train(cfg, resume=True, stop_after=1 + n)
         except _Killed:
             points += 1
-        monkeypatch.setattr(rundir, "replace_synced", real)
+        monkeypatch.setattr(files_lib, "replace_synced", real)
         if len(calls) < n:  # no n-th write point in a resumed run's start: all were covered
             break
     assert points >= 3  # config.json, run.json, metrics.jsonl
@@ -384,3 +386,80 @@ def test_resuming_a_finished_run_says_so(tmp_path, capsys):
     capsys.readouterr()
     train.main(["--resume", *args])
     assert "micro: already finished (1 rounds); nothing to run" in capsys.readouterr().out
+
+
+def _tensorboard_matches_metrics(run_dir):
+    """TensorBoard's scalars equal metrics.jsonl, round by round: every numeric field of every
+    record once at its round (and the losses once at its tokens), nothing else."""
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]
+    points, _ = _tensorboard_view(run_dir / "tensorboard")
+    by_tokens, _ = _tensorboard_view(run_dir / "tensorboard" / "by_tokens")
+    want = {}
+    for r in records:
+        for key, value in r.items():
+            if isinstance(value, int | float) and key != "round":
+                want.setdefault(key, []).append((r["round"], float(value)))
+    assert set(points) == set(want), sorted(set(points) ^ set(want))
+    for key, series in want.items():
+        assert sorted(s for s, _ in points[key]) == [s for s, _ in series], key
+        got = dict(points[key])
+        assert [got[s] for s, _ in series] == pytest.approx([v for _, v in series], rel=1e-6)
+    tokens = sorted(by_tokens["by_tokens/train_loss"])
+    assert [s for s, _ in tokens] == [r["tokens"] for r in records]
+    assert [v for _, v in tokens] == pytest.approx([r["train_loss"] for r in records], rel=1e-6)
+    return records
+
+
+def test_tensorboard_holds_every_record_whatever_the_killed_run_flushed(tmp_path):
+    """Before: after a kill and --resume, TensorBoard lacked the rounds whose events the killed
+    process had not flushed (tensorboardX buffers them), though metrics.jsonl held them. Now a
+    resumed run writes its event files anew from metrics.jsonl: here the killed run flushed
+    nothing at all (its event files gone), and every round is back, once."""
+    pytest.importorskip("tensorboardX")
+    cfg = _cfg(tmp_path, "train.rounds=4", "checkpoint.every=1", "log.tensorboard=true")
+    train.train(cfg, stop_after=3)
+    tensorboard = _run_dir(tmp_path) / "tensorboard"
+    for path in tensorboard.rglob("events.out.tfevents.*"):
+        path.unlink()
+    import shutil
+
+    shutil.rmtree(tmp_path / "ckpt" / "3")  # and the resume repeats a round
+    train.train(cfg, resume=True)
+    records = _tensorboard_matches_metrics(_run_dir(tmp_path))
+    assert [r["round"] for r in records] == [1, 2, 3, 4]
+    _, plugins = _tensorboard_view(tensorboard)
+    assert plugins.count("_hparams_/session_start_info") == 1
+    assert plugins.count("_hparams_/session_end_info") == 1
+
+
+@pytest.mark.slow  # two processes and a resume (about 40 s); the in-process twin runs by default
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sigkill_then_resume_keeps_tensorboard_equal_to_metrics(seed, tmp_path):
+    """The training command killed with SIGKILL at a random moment after its second record,
+    then resumed: TensorBoard's scalars equal metrics.jsonl round by round."""
+    pytest.importorskip("tensorboardX")
+    import random
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    args = [
+        "--preset", "micro", f"log.dir={tmp_path / 'logs'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
+        "train.rounds=8", "checkpoint.every=3", "log.tensorboard=true",
+    ]  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.train", *args], cwd=root)
+    metrics = _run_dir(tmp_path) / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    time.sleep(random.Random(seed).uniform(0.0, 1.5))
+    proc.kill()
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before the kill"
+    train.main([*args, "--resume"])
+    records = _tensorboard_matches_metrics(_run_dir(tmp_path))
+    assert [r["round"] for r in records] == list(range(1, 9))
