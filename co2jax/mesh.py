@@ -135,7 +135,16 @@ def make_mesh(
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh needs at least one device, got devices=[]")
-    sizes = resolve_sizes({REPLICA: replica, DATA: data, MODEL: model}, len(devices))
+    try:
+        sizes = resolve_sizes({REPLICA: replica, DATA: data, MODEL: model}, len(devices))
+    except ValueError as e:
+        if devices[0].platform != "cpu" or "devices" not in str(e):
+            raise
+        n = math.prod(s for s in (replica, data, model) if isinstance(s, int) and s > 0)
+        raise ValueError(
+            f"{e}. On CPU, emulate devices: JAX_NUM_CPU_DEVICES={n} in the environment, or "
+            f"jax.config.update('jax_num_cpu_devices', {n}) before JAX's first use"
+        ) from None
     shape = tuple(sizes[a] for a in AXES)
     slices = _num_slices(devices)
     if devices[0].platform == "tpu" and slices > 1:

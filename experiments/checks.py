@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from co2jax.algorithms import registry
+from experiments import files
 from experiments import model as model_lib
 from experiments.config import (
     Config,
@@ -40,22 +41,73 @@ from experiments.config import (
     ModelConfig,
     TrainConfig,
     field_type,
-    from_file,
     from_library,
     leaves,
     override,
     preset,
 )
+from experiments.config_files import file_lines, from_file, where_in
 
 
 def load(name: str, overrides: Sequence[str] = (), config_file: str | None = None) -> Config:
     """The preset ``name``, the file ``config_file`` on top (YAML or JSON) and ``overrides``
     on top of that, validated (:func:`validate`, without a device count): what the command
-    line runs. The one validation of a run."""
+    line runs. The one validation of a run. A setting given twice on the command line is
+    refused; a refused setting that came from the file names its line there."""
+    unique(overrides)
     config = preset(name)
     if config_file is not None:
         config = from_file(config, config_file)
-    return validate(override(config, list(overrides)))
+    try:
+        return validate(override(config, list(overrides)))
+    except ConfigError as e:
+        typed = {item.split("=", 1)[0].strip() for item in overrides}
+        if config_file is None or e.key in typed:
+            raise
+        lines = file_lines(config_file)
+        if e.key not in lines:
+            raise
+        raise e.within(where_in(config_file, lines, e.key)) from None
+
+
+def unique(overrides: Sequence[str]) -> None:
+    """Refuses (:class:`ConfigError`) a setting given twice among ``overrides``: which one the
+    user meant is not for the driver to guess.
+
+    Example:
+      >>> unique(["train.rounds=3", "train.rounds=5"])
+      Traceback (most recent call last):
+      ...
+      experiments.config.ConfigError: train.rounds: set twice ('train.rounds=3', then ...
+    """
+    seen: dict[str, str] = {}
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key in seen:
+            raise ConfigError(
+                key, f"set twice ({seen[key]!r}, then {item.strip()!r}): give it once"
+            )
+        seen[key] = item.strip()
+
+
+def notes(config: Config) -> list[str]:
+    """What a valid config runs but its user most likely did not mean, one line each (the
+    commands print them as warnings): an inner warm-up longer than the run.
+
+    Example:
+      >>> notes(load("micro")), notes(load("micro", ["inner.warmup_steps=5"]))[0][:60]
+      ([], 'inner.warmup_steps=5: longer than the run (train.rounds=2 x ')
+    """
+    t, i, out = config.train, config.inner, []
+    total = t.rounds * t.sync_every
+    if i.warmup_steps > total:
+        out.append(
+            f"inner.warmup_steps={i.warmup_steps}: longer than the run (train.rounds={t.rounds}"
+            f" x train.sync_every={t.sync_every} = {total} inner steps): the learning rate "
+            f"warms up for the whole run and never reaches inner.learning_rate="
+            f"{i.learning_rate}"
+        )
+    return out
 
 
 def _fail(key: str, value: Any, why: str) -> typing.NoReturn:
@@ -230,19 +282,70 @@ def _check_batch(config: Config, data: int) -> None:
         _fail("data.batch", config.data.batch, f"must be a multiple of mesh.data={data}")
 
 
-def check_devices(config: Config, device_count: int) -> Config:
+MAX_EMULATED_DEVICES = 256
+"""The most CPU devices the driver emulates (:func:`emulated_devices`). Measured on the 2-core
+CPU machine with the cpu-tiny round (``train.sync_every=2``): ``mesh.replica=128`` (256
+devices) ran a round in 26 s; ``mesh.replica=256`` (512) aborted (SIGABRT) after 87 s, its
+collectives stalled in XLA's CPU rendezvous, which waits for a thread per device;
+``mesh.replica=1000`` (2,000) aborted after about 100 s. ``JAX_NUM_CPU_DEVICES`` set by the
+user emulates any count (the driver then leaves it as set)."""
+
+
+def _mesh_key(m: MeshConfig) -> str:
+    """The mesh size a message about the mesh names: the first one set away from its
+    default (``mesh.replica`` when none is)."""
+    sizes = {"mesh.replica": m.replica, "mesh.data": m.data, "mesh.model": m.model}
+    default = dataclasses.asdict(MeshConfig())
+    return next((k for k, v in sizes.items() if v != default[k[5:]]), "mesh.replica")
+
+
+def emulated_devices(config: Config) -> int:
+    """The CPU devices the driver emulates for ``config``'s mesh (on a machine without an
+    accelerator, where nothing else fixed the count): exactly the mesh's devices, or with a
+    size of -1, at least 8 and a multiple of the other sizes. Refuses (:class:`ConfigError`)
+    more than :data:`MAX_EMULATED_DEVICES`.
+
+    Example:
+      >>> emulated_devices(load("micro", ["mesh.replica=3"])), emulated_devices(load("micro"))
+      (6, 8)
+    """
+    m = config.mesh
+    fixed = math.prod(s for s in (m.replica, m.data, m.model) if s != -1)
+    count = fixed * max(1, -(-8 // fixed)) if -1 in (m.data, m.model) else fixed
+    if count > MAX_EMULATED_DEVICES:
+        key = _mesh_key(m)
+        shown = " x ".join(
+            f"{k}={v}" for k, v in (("mesh.replica", m.replica), ("mesh.data", m.data),
+                                    ("mesh.model", m.model))
+        )  # fmt: skip
+        _fail(
+            key,
+            getattr(m, key[5:]),
+            f"{shown} needs {count} devices: more than the {MAX_EMULATED_DEVICES} CPU devices "
+            "the driver emulates (XLA's CPU collectives wait for a thread per device: 512 "
+            "aborted here); run fewer replicas, use accelerators, or set JAX_NUM_CPU_DEVICES",
+        )
+    return count
+
+
+def check_devices(config: Config, device_count: int, origin: str | None = None) -> Config:
     """Checks that a validated config's mesh fits ``device_count`` devices (a size of -1
     filled with those left, and ``data.batch`` split over the filled ``mesh.data``); returns
-    ``config``. Raises :class:`ConfigError` naming the mesh size the user set."""
+    ``config``. Raises :class:`ConfigError` naming the mesh size the user set, and
+    ``origin``: where the device count came from, and how to get another."""
     m = config.mesh
     fixed = math.prod(s for s in (m.replica, m.data, m.model) if s != -1)
     fill = -1 in (m.data, m.model)
     if device_count % fixed or (not fill and fixed != device_count):
         sizes = {"mesh.replica": m.replica, "mesh.data": m.data, "mesh.model": m.model}
-        default = dataclasses.asdict(MeshConfig())
-        key = next((k for k, v in sizes.items() if v != default[k[5:]]), "mesh.replica")
+        key = _mesh_key(m)
         shown = " x ".join(f"{k}={v}" for k, v in sizes.items())
-        _fail(key, sizes[key], f"{shown} does not fit {device_count} devices")
+        need = f"a multiple of {fixed}" if fill else str(fixed)
+        _fail(
+            key,
+            sizes[key],
+            f"{shown} needs {need} devices; {origin or f'there are {device_count}'}",
+        )
     if m.data == -1:
         _check_batch(config, device_count // fixed)
     return config
@@ -328,28 +431,29 @@ def validate(config: Config, device_count: int | None = None) -> Config:
 
 
 def _creatable(key: str, value: str, path: str) -> None:
-    """``path`` is a directory, or can be made one: its nearest existing ancestor is a
-    writable directory (a URL such as ``gs://...`` is left to orbax)."""
-    if "://" in path:
-        return
-    p = Path(path).absolute()
-    if p.exists():
-        if not p.is_dir():
-            _fail(key, value, f"{p} is a file, not a directory")
-        return
-    parent = next(a for a in p.parents if a.exists())
-    if not parent.is_dir():
-        _fail(key, value, f"{parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        _fail(key, value, f"{parent} is not writable")
+    """``path`` is a directory this process can write in, or can be made one
+    (:func:`experiments.files.directory_problem`)."""
+    problem = files.directory_problem(path)
+    if problem is not None:
+        _fail(key, value, problem)
 
 
-def check_paths(config: Config) -> Config:
+def _data_inputs(d: DataConfig) -> list[str]:
+    """What a run reads of ``data.path``: the file or directory, or what its glob matches."""
+    if d.kind not in ("text", "tokens"):
+        return []
+    return [d.path] if os.path.exists(d.path) else sorted(glob.glob(d.path))
+
+
+def check_paths(config: Config, config_file: str | None = None) -> Config:
     """Checks what ``config`` names on disk, before anything is written; returns ``config``.
 
-    ``data.path`` exists (text: a file, directory or glob; tokens: a file), and ``log.dir``,
-    the run directory ``log.dir/<name>`` and ``checkpoint.dir`` are directories or can be
-    made. Raises :class:`ConfigError`.
+    ``data.path`` exists (text: a file, directory or glob; tokens: a file); ``log.dir``, the
+    run directory ``log.dir/<name>`` and ``checkpoint.dir`` are directories this process can
+    write in, or can be made; and no output is an input: the run's files and checkpoints
+    neither are nor lie inside ``data.path`` or the ``--config`` file
+    (:func:`experiments.files.check_outputs`: a later run would read them as text, or a
+    write would replace the input). Raises :class:`ConfigError`.
     """
     d = config.data
     if d.kind == "text" and not (os.path.exists(d.path) or glob.glob(d.path)):
@@ -357,9 +461,20 @@ def check_paths(config: Config) -> Config:
     if d.kind == "tokens" and not os.path.isfile(d.path):
         _fail("data.path", d.path, "is not a file")
     _creatable("log.dir", config.log.dir, config.log.dir)
-    _creatable("name", config.name, os.path.join(config.log.dir, config.name))
+    run_dir = Path(config.log.dir) / config.name
+    _creatable("name", config.name, str(run_dir))
     if config.checkpoint.dir is not None:
         _creatable("checkpoint.dir", config.checkpoint.dir, config.checkpoint.dir)
+    inputs = {"data.path": _data_inputs(d), "--config": [config_file] if config_file else []}
+    outputs = [("log.dir", config.log.dir, {"its run directory": run_dir})]
+    outputs[0][2].update({f"its {n}": run_dir / n for n in ("config.json", "metrics.jsonl")})
+    if config.checkpoint.dir is not None and "://" not in config.checkpoint.dir:
+        outputs.append(("checkpoint.dir", config.checkpoint.dir, {"": config.checkpoint.dir}))
+    for key, value, paths in outputs:
+        try:
+            files.check_outputs(inputs, paths, key, value)
+        except ValueError as e:
+            raise ConfigError(key, str(e).split(": ", 1)[1], value) from None
     return config
 
 

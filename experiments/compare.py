@@ -19,7 +19,10 @@ A sweep is robust to its users:
 - ``report.md``, ``summary.json`` and the plots are rewritten after every row; a row that
   raises is recorded with its error and the sweep goes on (exit code 1 at the end);
 - Ctrl-C leaves a valid partial report (the rows not reached are marked "not run") and
-  exits with 130.
+  exits with 130;
+- a bad flag, a flag the sweep would ignore or an ``--out`` it cannot write in is refused in
+  one line before anything runs; a command-line override that a row runs without (it sets
+  the setting itself, or its algorithm has none) is one ``warning:`` line per row.
 
 The modelled wall clock combines the measured compute time per inner step with a cost model
 of the link between replicas: a ring all-reduce of N bytes over R replicas costs
@@ -35,8 +38,8 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 import os
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -45,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from co2jax.algorithms import registry
-from experiments import checks, programs, study_reports, study_run, train
+from experiments import checks, programs, rundir, study_reports, study_run, train
 from experiments import config as config_lib
 from experiments import model as model_lib
 from experiments.files import write_atomic
@@ -134,19 +137,24 @@ def plan_sweep(
 
     ``fixes`` maps an algorithm to overrides applied before the row's own to the rows that
     run it (:data:`PRESET_FIXES`). Returns one entry per row: ``label``, ``overrides`` (the
-    fix's and the row's), ``slug`` and ``runs`` (per seed: the resolved ``cfg``, its ``dir``
-    under ``out/runs`` and its content ``hash``). Raises :class:`SweepError` with one line
-    naming the first bad row, its overrides and the refused setting (``command_line``: the
-    overrides ``base`` was given, to say where a setting came from).
+    fix's and the row's), ``slug``, ``runs`` (per seed: the resolved ``cfg``, its ``dir``
+    under ``out/runs`` and its content ``hash``) and ``warning`` (one line or None: the
+    ``command_line`` overrides, those ``base`` was given, that the row sets itself or its
+    algorithm does not have). Raises :class:`SweepError` with one line naming the first bad
+    row, its overrides and the refused setting (and where it came from), or a command-line
+    override that no row runs with.
     """
-    plan, slugs = [], {}
+    plan, slugs, missed = [], {}, {}
     for index, (label, row_overrides) in enumerate(sweep, 1):
         named = f"row {index} {label!r} [{' '.join(row_overrides) or 'no overrides'}]"
         try:
             algorithm = config_lib.override(base, list(row_overrides)).outer.algorithm
         except ValueError as e:
             raise SweepError(f"{named}: {_refused(e, row_overrides, command_line)}") from None
-        overrides = [*(fixes or {}).get(algorithm, []), *row_overrides]
+        mine = _keys(row_overrides)  # a fix the row sets itself goes
+        fix = [item for item in (fixes or {}).get(algorithm, []) if _key(item) not in mine]
+        overrides = [*fix, *row_overrides]
+        carried, warning = _command_line(label, algorithm, overrides, command_line, missed)
         slug = _slug(label)
         if slug in slugs:
             raise SweepError(f"{named}: its run directory runs/{slug} is row {slugs[slug]}'s")
@@ -160,17 +168,72 @@ def plan_sweep(
             own = [f"checkpoint.dir={run_dir / 'checkpoints'}"] if base.checkpoint.dir else []
             named_seed = [f"name={base.name}-{slug}{suffix}", f"train.seed={seed}"]
             try:
-                cfg = config_lib.override(base, [*own, *overrides, *named_seed])
+                cfg = config_lib.override(base, [*own, *carried, *overrides, *named_seed])
                 validate_config(cfg, device_count)
             except ValueError as e:
                 raise SweepError(f"{named}: {_refused(e, overrides, command_line)}") from None
             runs.append({"cfg": cfg, "dir": run_dir, "hash": config_hash(cfg)})
-        plan.append({"label": label, "overrides": list(overrides), "slug": slug, "runs": runs})
+        entry = {"label": label, "overrides": list(overrides), "slug": slug, "runs": runs}
+        plan.append({**entry, "warning": warning})
+    unused = [item for item, why in missed.items() if len(why) == len(plan)]
+    if unused:  # an override no row runs with: nothing it sets is used
+        why = missed[unused[0]]
+        more = f"; and {len(why) - 3} more rows" if len(why) > 3 else ""
+        raise SweepError(f"{unused[0].strip()} reaches no row: {'; '.join(why[:3])}{more}")
     return plan
 
 
+def _key(item: str) -> str:
+    return item.split("=", 1)[0].strip()
+
+
+def _same(a: str, b: str) -> bool:
+    """Two overrides set the same value (``1`` and ``1.0``, ``True`` and ``true`` alike)."""
+    x, y = (item.split("=", 1)[1].strip().lower() for item in (a, b))
+    try:
+        return x == y or float(x) == float(y)
+    except ValueError:
+        return False
+
+
+def _command_line(label, algorithm, overrides, command_line, missed) -> tuple[list, str | None]:
+    """The command line's ``outer.*`` overrides that row ``label`` runs with (applied again
+    after its algorithm is set: switching it keeps only the settings that differ from the
+    previous algorithm's defaults), and the row's warning: the overrides it sets itself
+    (``outer.algorithm`` aside: a row is an algorithm) or its algorithm does not have.
+    ``missed`` (override -> why, per row) collects the overrides the row runs without."""
+    names = {f.name for f in dataclasses.fields(registry.REGISTRY[algorithm].settings)}
+    own = {_key(item): item.strip() for item in overrides}
+    carried, over, lacking = [], [], []
+    for item in command_line:
+        key, typed = _key(item), item.strip()
+        if key == "outer.algorithm":
+            continue
+        if key in own:
+            if not _same(item, own[key]):
+                over.append((typed, own[key]))
+                missed.setdefault(item, []).append(f"{label!r} sets {own[key]}")
+        elif key.startswith("outer.") and key[len("outer.") :] not in names:
+            lacking.append(typed)
+            missed.setdefault(item, []).append(f"{label!r} runs {algorithm}, without {key}")
+        elif key.startswith("outer."):
+            carried.append(item)
+    parts = []
+    if over:
+        mine, theirs = (", ".join(x) for x in zip(*over, strict=True))
+        parts.append(f"sets {theirs} over the command line's {mine}")
+    if lacking:
+        keys = ", ".join(map(_key, lacking))
+        verb = "does" if len(lacking) == 1 else "do"
+        parts.append(
+            f"runs {algorithm}, which has no {keys}: the command line's "
+            f"{', '.join(lacking)} {verb} not apply to it"
+        )
+    return carried, (f"warning: row {label!r} " + "; ".join(parts)) if parts else None
+
+
 def _keys(overrides: Sequence[str]) -> set[str]:
-    return {item.split("=", 1)[0].strip() for item in overrides}
+    return {_key(item) for item in overrides}
 
 
 def _refused(error: ValueError, overrides: Sequence[str], command_line=()) -> str:
@@ -235,7 +298,7 @@ def _run_row(entry: dict, out: Path, link: Link, rerun: bool) -> dict:
             if record is None:
                 # the sweep owns runs/<row>: what an earlier, unfinished or stale run left
                 # there goes (the training driver refuses a directory holding another run)
-                shutil.rmtree(run_dir, ignore_errors=True)
+                rundir.remove_run(run_dir)
                 began = time.perf_counter()
                 seed = f" seed {cfg.train.seed}" if len(entry["runs"]) > 1 else ""
                 done = run_one(cfg, run_dir, entry["label"] + seed)
@@ -306,6 +369,9 @@ def run_sweep(
     import jax
 
     plan = plan_sweep(base, out, sweep, seeds, jax.device_count(), fixes, command_line)
+    for entry in plan:  # a command-line override a row runs without
+        if entry["warning"]:
+            print(entry["warning"], file=sys.stderr, flush=True)
     rows = [_base_row(entry, out) for entry in plan]
     try:
         with programs.shared_programs():  # a row's seeds run one set of compiled programs
@@ -325,15 +391,53 @@ def _slug(label: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in label.lower()).strip("-")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's refusals on one line, without the usage block."""
+
+    def error(self, message):
+        self.exit(2, f"co2jax compare: error: {' '.join(message.split())}\n")
+
+
+# the link's flags: (Link field, lowest value, > or >=); the defaults are Link's
+LINK_FLAGS = {
+    "--bandwidth-gbps": ("bandwidth_gbps", ">"),
+    "--latency-ms": ("latency_ms", ">"),
+    "--overlap-slowdown": ("overlap_slowdown", ">="),
+}
+
+
+def _link(args, parser) -> Link:
+    """The cost model's link from the flags as typed: each a finite number > 0 (a slowdown
+    >= 0)."""
+    values = {}
+    for flag, (name, op) in LINK_FLAGS.items():
+        text = getattr(args, name)
+        if text is None:
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            parser.error(f"{flag}={text!r}: expected a number")
+        if not (math.isfinite(value) and (value > 0 if op == ">" else value >= 0)):
+            parser.error(f"{flag}={text!r}: must be a finite number {op} 0")
+        values[name] = value
+    return Link(**values)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit code: 0, 1 (a row failed), 2 (a bad config or
     argument: nothing ran) or 130 (interrupted: the partial report is written)."""
-    parser = argparse.ArgumentParser(description="co2jax comparison report")
+    parser = _Parser(description="co2jax comparison report")
     parser.add_argument("--preset", default="cpu-tiny", choices=sorted(config_lib.PRESETS))
     parser.add_argument("--out", default=None, help="default: results/<preset>")
-    parser.add_argument("--bandwidth-gbps", type=float, default=1.0)
-    parser.add_argument("--latency-ms", type=float, default=10.0)
-    parser.add_argument("--overlap-slowdown", type=float, default=0.189)
+    link_help = {
+        "--bandwidth-gbps": "each replica's link in Gbit/s, > 0 (default 1)",
+        "--latency-ms": "the link's latency per message in ms, > 0 (default 10)",
+        "--overlap-slowdown": "how much an overlapped transfer slows the compute it hides "
+        "behind, a fraction >= 0 (default 0.189: 18.9%%, arXiv 2507.03114)",
+    }
+    for flag, text in link_help.items():
+        parser.add_argument(flag, default=None, help=f"the modelled wall clock: {text}")
     parser.add_argument(
         "--seeds",
         type=int,
@@ -347,11 +451,14 @@ def main(argv: list[str] | None = None) -> int:
         help="all, compression, ablations: rows of algorithms; scaling, eager, bytes, orderings: "
         "studies",
     )
-    parser.add_argument("--smoke", action="store_true", help="a study at its smallest grid")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a study at its smallest grid (studies only)"
+    )
     parser.add_argument(
         "--rows",
         default=None,
-        help="comma-separated row labels to run, in the sweep's order (default: the --sweep)",
+        help="comma-separated row labels to run, of every sweep's rows, in their order "
+        "(default: the --sweep's; not with --sweep compression or ablations)",
     )
     parser.add_argument(
         "--rerun",
@@ -360,31 +467,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("overrides", nargs="*", help="section.field=value, for every run")
     args = parser.parse_args(argv)
-    for name, value in [
-        ("--bandwidth-gbps", args.bandwidth_gbps),
-        ("--latency-ms", args.latency_ms),
-    ]:
-        if not value > 0:
-            parser.error(f"{name} must be > 0, got {value}")
     if args.seeds is not None and args.seeds < 1:
-        parser.error(f"--seeds must be >= 1, got {args.seeds}")
+        parser.error(f"--seeds={args.seeds}: must be >= 1")
     if args.sweep in STUDIES:
         return _study(args, parser)
+    if args.smoke:
+        parser.error(f"--smoke: only with a study (--sweep {'|'.join(STUDIES)})")
+    if args.rows is not None and args.sweep != "all":
+        parser.error(f"--rows picks from every sweep's rows: not with --sweep {args.sweep}")
+    link = _link(args, parser)
     args.seeds = args.seeds or 1
+    out = Path(args.out or f"results/{args.preset}")
+    try:
+        study_run.check_out_dir(out, args.out, "summary.json")
+    except ValueError as e:
+        parser.error(str(e))
     typed = _keys(args.overrides)
     fixes = {  # a setting given on the command line replaces the preset's fix
-        algorithm: [item for item in items if item.split("=", 1)[0] not in typed]
+        algorithm: [item for item in items if _key(item) not in typed]
         for algorithm, items in PRESET_FIXES.get(args.preset, {}).items()
     }
-    try:
-        base = config_lib.override(
-            config_lib.preset(args.preset), ["log.progress=false", *args.overrides]
-        )
+    try:  # the overrides on their own: none of them meets the sweep's own log.progress
+        checks.unique(args.overrides)  # a setting typed twice: which one was meant?
+        base = config_lib.override(config_lib.preset(args.preset), ["log.progress=false"])
+        base = config_lib.override(base, args.overrides)
     except ValueError as e:
         print(f"co2jax compare: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    out = Path(args.out or f"results/{args.preset}")
-    link = Link(args.bandwidth_gbps, args.latency_ms, args.overlap_slowdown)
     sweep = {
         "all": SWEEP,
         "compression": [e for e in SWEEP if e[0] in COMPRESSION],
@@ -397,7 +506,18 @@ def main(argv: list[str] | None = None) -> int:
         if unknown or not wanted:
             labels = ", ".join(e[0] for e in every)
             parser.error(f"--rows: unknown row(s) {unknown or args.rows!r}; the rows: {labels}")
+        twice = [label for i, label in enumerate(wanted) if label in wanted[:i]]
+        if twice:
+            parser.error(f"--rows={args.rows!r}: names {twice[0]!r} twice")
         sweep = [e for e in every if e[0] in wanted]
+    for note in checks.notes(base):  # the settings every row shares
+        print(f"warning: {note}", file=sys.stderr)
+    if link.overlap_slowdown > 1:  # a percentage typed for the fraction?
+        print(
+            f"warning: --overlap-slowdown={args.overlap_slowdown!r} is a fraction: overlapped "
+            f"compute is modelled {link.overlap_slowdown:.0%} slower (the default 0.189 is 18.9%)",
+            file=sys.stderr,
+        )
     print(f"co2jax compare: preset {args.preset}, {len(sweep)} rows, writing {out}/report.md")
     try:
         rows = run_sweep(

@@ -8,12 +8,12 @@ cannot be set. Every field has a type, a default and a one-line description (``-
 
 Presets are functions returning a Config; overrides such as ``outer.learning_rate=0.7
 mesh.replica=4`` are applied by :func:`override`, a YAML or JSON file by :func:`merge`
-(``--config FILE``; :func:`to_json` writes one back). ``outer.algorithm`` is applied before the
-other overrides, whatever their order, and keeps the settings of the previous algorithm that
-the new one also has and that differ from their defaults. A refused setting raises
-:class:`ConfigError`, naming the field as it is overridden (``outer.topk=0: must be >= 1``).
-Whether the values are valid is checked once, where a run's config is loaded
-(:func:`experiments.checks.validate`).
+(``--config FILE``, read by :mod:`experiments.config_files`; :func:`to_json` writes one
+back). ``outer.algorithm`` is applied before the other overrides, whatever their order, and
+keeps the settings of the previous algorithm that the new one also has and that differ from
+their defaults. A refused setting raises :class:`ConfigError`, naming the field as it is
+overridden (``outer.topk=0: must be >= 1``). Whether the values are valid is checked once,
+where a run's config is loaded (:func:`experiments.checks.validate`).
 
 Example:
   >>> cfg = override(preset("cpu-tiny"), ["train.rounds=3", "outer.algorithm=co2"])
@@ -37,7 +37,6 @@ import types
 import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from co2jax.algorithms import registry
@@ -218,6 +217,7 @@ def _micro() -> Config:
         name="micro",
         model=ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64),
         data=DataConfig(batch=4, seq_len=16, vocab_size=32),
+        inner=InnerConfig(warmup_steps=2),  # within its 4 steps (checks.notes warns otherwise)
         train=TrainConfig(rounds=2, sync_every=2),
         eval=EvalConfig(every=1, batch=8),
         log=LogConfig(progress=False),
@@ -303,7 +303,8 @@ class ConfigError(ValueError):
         return str(self)
 
     def within(self, where: str) -> ConfigError:
-        """The same error, saying where the setting came from (a config file)."""
+        """The same error, saying where the setting came from (a config file: ``where`` its
+        path, or its path, line and the line's text)."""
         return ConfigError(self.key, f"{self.why} (in {where})", *self.value)
 
 
@@ -468,35 +469,6 @@ def _set(node: Any, parts: list[str], value: Any, key: str, where: str = "") -> 
         raise ConfigError(key, f"unknown config field {key!r} ({where}{f.name} has no fields)")
     value = _set(current, parts[1:], value, key, f"{where}{f.name}.")
     return dataclasses.replace(node, **{f.name: value})
-
-
-def read_file(path: str) -> dict:
-    """A config file's mapping: YAML (``.yaml``, ``.yml``, or any other name) or JSON
-    (``.json``); PyYAML comes with flax."""
-    import yaml
-
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ConfigError("--config", f"cannot be read ({e.strerror})", path) from None
-    try:
-        tree = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as e:
-        first = " ".join(str(e).split())[:200]
-        raise ConfigError(
-            "--config",
-            f"is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {first}",
-            path,
-        ) from None
-    return {} if tree is None else tree
-
-
-def from_file(config: Config, path: str) -> Config:
-    """``config`` with the file at ``path`` merged on top (:func:`merge`)."""
-    try:
-        return merge(config, read_file(path), path)
-    except ConfigError as e:
-        raise (e if e.key == "--config" else e.within(path)) from None
 
 
 def to_dict(config: Config) -> dict:

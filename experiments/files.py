@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -110,6 +111,27 @@ def check_output_file(path: PathLike, setting: str, value: Any, subject: str = "
         _fail(setting, value, f"{head}its directory {where}")
     if not os.access(parent, os.W_OK | os.X_OK):
         _fail(setting, value, f"{head}its directory {parent} is not writable")
+
+
+def directory_problem(path: PathLike) -> str | None:
+    """Why ``path`` cannot be a directory this process writes in, or None when it can: it,
+    or the nearest of its ancestors that exists, is a file, or making a directory there
+    fails (tried for real with a temporary directory, removed at once: permission bits say
+    nothing for root, nor on a read-only or virtual file system such as ``/proc``). A URL
+    (``gs://...``) is left to the library that writes it."""
+    if "://" in str(path):
+        return None
+    p = Path(path).absolute()
+    existing = next(a for a in (p, *p.parents) if a.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    try:
+        probe = tempfile.mkdtemp(prefix=".probe-", dir=existing)
+    except OSError as e:
+        what = "" if existing == p else f"{existing}, where it would be made, "
+        return f"{what}cannot be written in ({e.strerror})"
+    os.rmdir(probe)
+    return None
 
 
 def _identity(p: Path) -> tuple[int, int] | None:

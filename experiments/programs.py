@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -27,21 +27,54 @@ from co2jax import compilation_cache
 from co2jax.algorithms import registry
 from co2jax.axes import DATA
 from co2jax.fragments import make_fragments
-from experiments import checks, xla_flags
+from experiments import checks, footprint, xla_flags
 from experiments import config as config_lib
 from experiments import data as data_lib
 from experiments import inner as inner_lib
 from experiments import model as model_lib
 
+_EMULATED: int | None = None  # the CPU devices setup_devices asked for, if it set the count
+_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
 
 def setup_devices(cfg: config_lib.Config) -> None:
-    """On CPU, emulate as many devices as the mesh needs; on GPU, ask XLA to overlap the
-    outer reduction with the inner steps (:mod:`experiments.xla_flags`). Before JAX starts a
-    backend: importing JAX, co2jax and the experiment modules starts none."""
+    """On CPU, emulate the devices the mesh needs (:func:`experiments.checks.emulated_devices`:
+    refuses more than it emulates), unless the count is fixed already (``JAX_NUM_CPU_DEVICES``,
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=N``, or this process); on GPU, ask XLA
+    to overlap the outer reduction with the inner steps (:mod:`experiments.xla_flags`). Before
+    JAX starts a backend: importing JAX, co2jax and the experiment modules starts none."""
+    global _EMULATED
     xla_flags.apply()
-    if (jax.config.jax_platforms or "cpu") == "cpu" and jax.config.jax_num_cpu_devices < 1:
-        sizes = [s for s in (cfg.mesh.replica, cfg.mesh.data, cfg.mesh.model) if s > 0]
-        jax.config.update("jax_num_cpu_devices", max(8, math.prod(sizes)))
+    fixed = jax.config.jax_num_cpu_devices >= 1 or _COUNT_FLAG in os.environ.get("XLA_FLAGS", "")
+    if (jax.config.jax_platforms or "cpu") == "cpu" and not fixed:
+        _EMULATED = checks.emulated_devices(cfg)
+        jax.config.update("jax_num_cpu_devices", _EMULATED)
+
+
+def device_origin() -> str:
+    """Where this process's device count came from, and how to get another: for the one
+    line that refuses a mesh the devices do not fit."""
+    devices = jax.devices()
+    n, platform = len(devices), devices[0].platform
+    if platform != "cpu":
+        return f"this process sees {n} {platform.upper()} devices"
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith(_COUNT_FLAG)]
+    if flags:
+        how = f"fixed by XLA_FLAGS={flags[-1]} (change it, or unset it to let the driver emulate"
+        return f"this process has {n} CPU devices, {how} the mesh's)"
+    if os.environ.get("JAX_NUM_CPU_DEVICES"):
+        how = f"fixed by JAX_NUM_CPU_DEVICES={os.environ['JAX_NUM_CPU_DEVICES']}"
+        return f"this process has {n} CPU devices, {how} (change it, or unset it)"
+    if _EMULATED == n:
+        return (
+            f"the driver emulates {n} CPU devices for a mesh with a size of -1 (at least 8, a "
+            "multiple of the other sizes): give mesh.data and mesh.model sizes, or set "
+            "JAX_NUM_CPU_DEVICES"
+        )
+    return (
+        f"this process has {n} CPU devices, fixed before the driver started (jax_num_cpu_"
+        "devices in this process): run it as a new process, or set JAX_NUM_CPU_DEVICES"
+    )
 
 
 class Run(NamedTuple):
@@ -162,7 +195,7 @@ def build(cfg: config_lib.Config) -> Run:
 def build_validated(cfg: config_lib.Config) -> Run:
     """:func:`build` of a validated config (the mesh is checked against the devices)."""
     setup_devices(cfg)
-    checks.check_devices(cfg, jax.device_count())
+    checks.check_devices(cfg, jax.device_count(), device_origin())
     # the persistent cache off where it is unsafe (multi-device CPU)
     compilation_cache.guard(jax.devices()[: cfg.mesh.devices], disable=True)
     key = _programs_key(cfg) if _SHARED is not None else None
@@ -192,6 +225,7 @@ def _build_programs(cfg: config_lib.Config) -> tuple[_Programs, Any]:
     except ValueError as e:  # the data's own checks (a file's size, its sidecar): one line
         raise config_lib.from_library(ValueError(f"data.{e}")) from None
     mcfg = model_config(cfg, streams.vocab_size)
+    footprint.check(cfg, mcfg, mesh)  # a round that cannot fit is refused before it compiles
     graphdef, params = model_lib.init_params(mcfg, t.seed)
     trainer, loss_fn, schedule = build_trainer(cfg, mesh, graphdef, params)
     eval_fn = model_lib.make_eval_fn(loss_fn, trainer.mesh)

@@ -361,6 +361,19 @@ def claim(
             shutil.rmtree(p)
 
 
+def remove_run(path: Path) -> None:
+    """Deletes the run directory ``path`` (a sweep's row it runs again), and only a run: a
+    directory holding files no run writes is refused (:class:`RunError`), never deleted."""
+    path = Path(path)
+    if not path.exists():
+        return
+    foreign = [path.name] if not path.is_dir() else _not_a_runs(path, False)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise RunError(f"{path} holds files that are not a run's ({shown}): not deleting it")
+    shutil.rmtree(path)
+
+
 def discard_unstarted(out: Path) -> None:
     """Removes what a fresh run wrote into ``out`` when it ends before logging its first
     round (a failure or a stop during start-up), so that the same command runs again as it

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from experiments import config as config_lib
+from experiments import files as files_lib
+from experiments import rundir
 from experiments.report import exit_status
 from experiments.studies import STUDIES, TITLES, seed_results, write_study
 
@@ -36,19 +38,39 @@ class Sweeper(NamedTuple):
     error: type
 
 
+# what only a sweep of rows uses (compare's flags): a study runs its own grid and models no link
+SWEEP_ONLY = ("rows", "bandwidth_gbps", "latency_ms", "overlap_slowdown")
+
+
 def command(args, parser, sweeper: Sweeper, reports) -> int:
-    """``compare --sweep <study>``: runs it, prints its targets; returns the exit code."""
-    if args.rows is not None or args.overrides or args.preset != "cpu-tiny":
-        parser.error(f"--sweep {args.sweep} runs its own grid: no --preset, --rows or overrides")
+    """``compare --sweep <study>``: runs it, prints its targets; returns the exit code.
+    A flag only a sweep of rows uses and an ``--out`` it cannot write in are refused first
+    (``parser.error``)."""
+    given = [f"--preset={args.preset!r}"] if args.preset != "cpu-tiny" else []
+    given += [
+        f"--{name.replace('_', '-')}={getattr(args, name)!r}"
+        for name in SWEEP_ONLY
+        if getattr(args, name, None) is not None
+    ]
+    given += args.overrides
+    if given:
+        parser.error(
+            f"--sweep {args.sweep} runs its own grid: no --preset, --rows, link flags or "
+            f"overrides (given: {' '.join(given)})"
+        )
     seeds = args.seeds or (1 if args.smoke else 3)
     out = Path(args.out or f"results/{args.sweep}" + ("-smoke" if args.smoke else ""))
+    try:
+        check_out_dir(out, args.out, "study.json")
+    except ValueError as e:
+        parser.error(str(e))
     print(f"co2jax compare: study {args.sweep}, {seeds} seed(s), writing {out}/report.md")
     began = time.perf_counter()
     try:
         rows, targets = run_study(
             args.sweep, out, sweeper, reports, smoke=args.smoke, seeds=seeds, rerun=args.rerun
         )
-    except sweeper.error as e:
+    except (sweeper.error, rundir.RunError) as e:  # a bad row, or --rerun over another's files
         print(f"co2jax compare: error: nothing ran: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -58,6 +80,47 @@ def command(args, parser, sweeper: Sweeper, reports) -> int:
         print(target.line())
     print(f"report: {out / 'report.md'} ({time.perf_counter() - began:.0f} s)")
     return exit_status(rows)
+
+
+def check_out_dir(out: Path, typed: str | None, *files: str) -> None:
+    """Raises ``ValueError("--out='<typed>': <why>")``, one line, unless a sweep or a study
+    can write in directory ``out`` (``typed``: as given, None for the default): no file or
+    broken symlink on its path, and a directory can be made there (``files.
+    directory_problem``: tried for real); where ``out`` exists, its ``runs`` is a directory
+    if there and ``report.md`` and ``files`` can be written (``files.check_output_file``)."""
+    if typed is not None and not typed.strip():
+        raise ValueError(f"--out={typed!r}: names no directory")
+    out = Path(out)
+    shown = str(out) if typed is None else typed
+    there = next(p for p in [out, *out.parents] if os.path.lexists(p) or p == Path(p.anchor))
+    problem = getattr(files_lib, "directory_problem", _access_problem)  # files.py's, if there
+    if os.path.lexists(there) and not there.exists():
+        why = f"{there} is a broken symlink"
+    elif there == out and there.exists() and not there.is_dir():
+        why = "is a file" if there.is_file() else "is not a directory"
+    else:
+        why = problem(out)
+    if why is None and there == out and (out / "runs").exists() and not (out / "runs").is_dir():
+        why = f"its runs {out / 'runs'} is not a directory"
+    try:
+        if why is not None:
+            raise ValueError(f"--out={shown!r}: {why}")
+        if there == out:
+            for name in ("report.md", *files):
+                files_lib.check_output_file(out / name, "--out", shown, f"its {name}")
+    except ValueError as e:
+        raise ValueError(f"{e} (the default --out)" if typed is None else str(e)) from None
+
+
+def _access_problem(out: Path) -> str | None:
+    """Why ``out`` cannot be a directory written in, by its nearest existing ancestor's
+    kind and permission bits."""
+    there = next(p for p in [out, *out.parents] if p.exists() or p == Path(p.anchor))
+    if not there.is_dir():
+        return f"{there} is a file, not a directory"
+    if not os.access(there, os.W_OK | os.X_OK):
+        return f"{there} cannot be written in (no permission)"
+    return None
 
 
 def run_study(name, out, sweeper, reports, *, smoke=False, seeds=3, rerun=False):
@@ -229,9 +292,9 @@ def _run_phase(sweep, plan, base, out, seeds, sweeper, workers) -> list[dict]:
 
 def _run_study(name, out, base, smoke, seeds, rerun, sweeper, reports, workers):
     if rerun:  # every run again: the earlier ones go first, so no phase reuses them
-        import shutil
-
-        shutil.rmtree(out / "runs", ignore_errors=True)
+        runs = out / "runs"
+        for row in sorted(runs.iterdir()) if runs.is_dir() else []:
+            rundir.remove_run(row)  # a run's directory, or refused: never the user's files
     rows, results, done = STUDIES[name](smoke), None, set()
     while True:  # a study whose later rows depend on earlier ones adds them once those ran
         sweep = [(r.label, list(r.overrides)) for r in rows]

@@ -37,7 +37,7 @@ from experiments import checkpoints as ckpt_lib
 from experiments import checks, files, round_stats, rundir
 from experiments import config as config_lib
 from experiments import inner as inner_lib
-from experiments.programs import build_validated, setup_devices, with_outer_lr
+from experiments.programs import build_validated, device_origin, setup_devices, with_outer_lr
 from experiments.rundir import Diverged, Interrupted, RunError
 
 
@@ -350,14 +350,16 @@ def _run_command(args: argparse.Namespace, signals: interrupts.Signals) -> None:
     """:func:`main` after its arguments are parsed, with the signal handlers installed."""
     try:
         cfg = checks.load(args.preset, args.overrides, args.config)  # the one validation
+        for note in checks.notes(cfg):
+            print(f"warning: {note}", file=sys.stderr)
         if args.print_config:
             print(config_lib.to_json(cfg))
             return
-        checks.check_paths(cfg)
+        checks.check_paths(cfg, args.config)
         if args.distributed:
             co2jax.distributed.initialize()
         setup_devices(cfg)
-        checks.check_devices(cfg, jax.device_count())
+        checks.check_devices(cfg, jax.device_count(), device_origin())
         if args.allow_config_change and not args.resume:
             raise RunError("--allow-config-change: only with --resume")
         history = train_validated(

@@ -155,3 +155,35 @@ def gpa_eval_params(params: Any, state: GPAState, mu_y: float = 0.7) -> Any:
     (y) and the state's z (the same ``mu_y`` as the transform's)."""
     mu_y = _in("mu_y", mu_y, 0.0, 1.0, closed_low=False)
     return jax.tree.map(lambda y, z: ((y - (1 - mu_y) * z) / mu_y).astype(y.dtype), params, state.z)
+
+
+def check_inner_under_outer(inner: optax.GradientTransformation, outer, params: Any) -> None:
+    """Refuses (``ValueError``, one line) GPA as the inner transform of an outer optimizer that
+    moves the parameters (any outer with a transfer in its schedule: DiLoCo, Local SGD, ...).
+
+    GPA's state keeps its own iterate ``z`` (AdamW steps ``z``; the parameters are ``y``, a
+    mix of ``z`` and the average ``x``). An outer step sets ``y`` and leaves ``z`` where the
+    replica's steps took it, so the next inner step pulls ``y`` back towards ``z``: another
+    algorithm than either paper's, with no error. Data parallelism (``co2jax.data_parallel``
+    with ``co2jax.no_sync()``, an empty schedule) keeps them consistent. The experiments'
+    ``inner.optimizer=gpa`` is refused in the same case.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, co2jax
+      >>> outer = co2jax.diloco(optax.sgd(0.7))
+      >>> check_inner_under_outer(co2jax.gpa(1e-3), outer, jnp.zeros(2))
+      Traceback (most recent call last):
+      ...
+      ValueError: inner=co2jax.gpa(...): GPA keeps its own iterate z in its state, ...
+      >>> check_inner_under_outer(co2jax.gpa(1e-3), co2jax.no_sync(), jnp.zeros(2))  # DDP
+    """
+    if not outer.schedule:
+        return
+    is_gpa = lambda node: isinstance(node, GPAState)
+    state = jax.eval_shape(inner.init, params)
+    if any(is_gpa(node) for node in jax.tree.leaves(state, is_leaf=is_gpa)):
+        raise ValueError(
+            "inner=co2jax.gpa(...): GPA keeps its own iterate z in its state, which an outer "
+            "step that moves the parameters leaves behind: run GPA data parallel "
+            "(co2jax.data_parallel(co2jax.gpa(...)) with co2jax.no_sync())"
+        )

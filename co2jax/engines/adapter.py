@@ -10,6 +10,7 @@ import numpy as np
 import optax
 
 from co2jax._checks import check_int, check_transform
+from co2jax.algorithms.gpa import check_inner_under_outer
 from co2jax.comm import chunks
 from co2jax.comm.reducer import Reducer, as_reducer, values
 from co2jax.engines.walk import act, walk
@@ -125,6 +126,7 @@ def local_updates(
         return [payload_shapes(outer, params, outer_state, i) for i in range(len(run))]
 
     def init(params: optax.Params) -> LocalUpdatesState:
+        check_inner_under_outer(inner, outer, params)
         # the outer state keeps its own copy of the parameters (an anchor is the parameters
         # at init): a step that donates both, jax.jit(step, donate_argnums=(0, 1)), must not
         # be handed one buffer twice

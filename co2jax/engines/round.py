@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from co2jax import compilation_cache
 from co2jax._checks import check_flag, check_transform
+from co2jax.algorithms.gpa import check_inner_under_outer
 from co2jax.axes import DATA, MODEL, REPLICA, communicates
 from co2jax.comm import policy
 from co2jax.comm.participation import (
@@ -306,6 +307,7 @@ class RoundTrainer:
                     f"{jax.tree_util.keystr(path)} is split over {REPLICA!r} ({spec}): pass "
                     "one replica's copy (e.g. jax.tree.map(lambda x: x[0], state.params))"
                 )
+        check_inner_under_outer(self.inner, self.outer, params)
         key = shapes_key((params, model_state))
         if key not in self._inits:  # one program per parameter shapes: a new seed reuses it
             abstract = jax.eval_shape(self._init_unplaced, params, model_state)
