@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.files import write_atomic
+
 REPO = Path(__file__).resolve().parent.parent
 SCENARIOS = (
     "free", "free_seed1", "kill", "kill_carry", "kill_strict", "slow_sync", "slow_dylu"
@@ -259,7 +261,7 @@ def main(argv=None) -> None:
         results[name] = run.summary()
         print(json.dumps(results[name]), flush=True)
     summary = report(results, args, out)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_atomic(out / "summary.json", json.dumps(summary, indent=1))
     print((out / "report.md").read_text())
 
 
@@ -292,7 +294,7 @@ def report(results: dict, args, out: Path) -> dict:
         noise = abs(results["free"]["loss"] - results["free_seed1"]["loss"])
         summary["seed_noise"] = noise
         lines += ["", f"Seed noise (free vs free_seed1, final loss): {noise:.4f}."]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    write_atomic(out / "report.md", "\n".join(lines) + "\n")
     return summary
 
 

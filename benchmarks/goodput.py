@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from benchmarks.faults import Run, final_anchors, progress_rows
+from experiments.files import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -194,7 +195,7 @@ def main(argv=None) -> None:
     rate = free["useful_steps"] / free["wall_s"]  # fault-free steps per second
     goodput = chaos["useful_steps"] / (rate * chaos["wall_s"])
     summary = {"goodput": goodput, "budget_stall_s": args.grace_s + 1.0, **results}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_atomic(out / "summary.json", json.dumps(summary, indent=1))
     report = [
         f"# Goodput: {args.replicas} jobs, cpu-tiny DiLoCo H={args.sync_every}, rounds padded "
         f"to {args.pad_s:g} s, {args.rounds} rounds, a kill every {args.kill_every} rounds, "
@@ -214,7 +215,7 @@ def main(argv=None) -> None:
         )
     report += ["", f"stall budget: grace_s + 1 = {args.grace_s + 1:g} s; the chaos run's "
                f"longest waits: {chaos['longest_stalls']}"]  # fmt: skip
-    (out / "report.md").write_text("\n".join(report) + "\n")
+    write_atomic(out / "report.md", "\n".join(report) + "\n")
     print((out / "report.md").read_text())
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.files import save_figure
 from experiments.studies import final_losses, fmt
 
 
@@ -133,7 +134,7 @@ def bytes_report(rows, results, out: Path):
     ax.legend(fontsize=7, loc="upper right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "loss_vs_bytes.png", dpi=110)
+    save_figure(fig, out / "loss_vs_bytes.png", dpi=110)
     plt.close(fig)
     data = {"budget": budget, "final_bytes": finals, "first_eval_bytes": firsts}
     return sections, [], data

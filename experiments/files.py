@@ -89,6 +89,13 @@ def write_atomic(path: PathLike, data: str | bytes) -> None:
         f.write(data if isinstance(data, bytes) else data.encode())
 
 
+def save_figure(fig: Any, path: PathLike, **options: Any) -> None:
+    """A matplotlib figure saved as PNG through :func:`atomic_writer` (``options``: those of
+    ``savefig``): a report's plot is the old one or the new one, whole."""
+    with atomic_writer(path) as f:
+        fig.savefig(f, format="png", **options)
+
+
 def _fail(setting: str, value: Any, why: str) -> None:
     raise ValueError(f"{setting}={str(value)!r}: {why}")
 

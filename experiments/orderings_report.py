@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.files import save_figure
 from experiments.studies import Target, final_losses, fmt
 
 PARITY = 0.005  # "reaches": within 0.5% of the reference's mean final loss
@@ -179,5 +180,5 @@ def _plot(out: Path, by: dict, names, hs, lrs) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "orderings_co2.png", dpi=110)
+    save_figure(fig, out / "orderings_co2.png", dpi=110)
     plt.close(fig)

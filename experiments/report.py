@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import config as config_lib
-from experiments.files import write_atomic
+from experiments.files import save_figure, write_atomic
 from experiments.sweep_rows import Link
 
 REPO = Path(__file__).resolve().parents[1]
@@ -336,10 +336,8 @@ def _plot(rows, base, out: Path, tokens: int | None) -> list[str]:
             )
         fig.suptitle(title, fontsize=10)
         fig.tight_layout()
-        tmp = out / f".{name}.tmp"
-        fig.savefig(tmp, dpi=110, format="png", bbox_inches="tight")
+        save_figure(fig, out / name, dpi=110, bbox_inches="tight")
         plt.close(fig)
-        os.replace(tmp, out / name)
         names.append(name)
     return names
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.bytes_report import bytes_report as bytes_report  # the bytes study's
+from experiments.files import save_figure
 from experiments.orderings_report import orderings_report as orderings_report
 from experiments.studies import (
     EAGER_REPLICAS,
@@ -224,7 +225,7 @@ def _scaling_plots(out, sizes, Ms, Hs, lrs, by, dp, best, rel, H_top) -> None:
     ax.legend(title="parameters", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "scaling_relative.png", dpi=110)
+    save_figure(fig, out / "scaling_relative.png", dpi=110)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(5.5, 4))
@@ -240,7 +241,7 @@ def _scaling_plots(out, sizes, Ms, Hs, lrs, by, dp, best, rel, H_top) -> None:
     ax.legend(title="parameters", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "scaling_best_lr.png", dpi=110)
+    save_figure(fig, out / "scaling_best_lr.png", dpi=110)
     plt.close(fig)
 
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.5 * len(sizes), 3.8), squeeze=False)
@@ -261,7 +262,7 @@ def _scaling_plots(out, sizes, Ms, Hs, lrs, by, dp, best, rel, H_top) -> None:
     axes[0][0].set_ylabel("final eval loss")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "scaling_h.png", dpi=110)
+    save_figure(fig, out / "scaling_h.png", dpi=110)
     plt.close(fig)
 
 
@@ -310,7 +311,7 @@ def eager_report(rows, results, out: Path):
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "eager_penalty.png", dpi=110)
+    save_figure(fig, out / "eager_penalty.png", dpi=110)
     plt.close(fig)
 
     naive = [penalty[H, "naive"] for H in Hs]

@@ -1,4 +1,11 @@
-"""Bad input raises a clear error naming the argument and the value, before any compute."""
+"""Bad input raises a clear error naming the argument and the value, before any compute, and
+loses nothing: the library's arguments, the training command's settings, config files,
+directories and runs (resume, kills, signals, memory and device estimates).
+
+The same rule for other inputs lives beside this file: files and the tokenizer
+(``test_bad_files.py``), the comparison command (``test_bad_compare.py``), the two-step
+collective's error feedback (``test_two_step_feedback.py``), TensorBoard after a kill
+(``test_resume.py``) and the TPU program's overlap (``test_tpu_aot.py``)."""
 
 from __future__ import annotations
 
