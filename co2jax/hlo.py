@@ -286,6 +286,8 @@ class Flight(NamedTuple):
       link: ``"ici"`` (inside a slice, or any single-slice or CPU/GPU program) or ``"dcn"``
         (between slices: XLA:TPU's megascale send/recv pairs, whose ``send`` carries this
         device's piece to the other slices).
+      across_loop: issued asynchronously with a ``while`` loop scheduled between its start
+        and its done (a payload in flight across an inner loop, not only under one step).
     """
 
     computation: str
@@ -295,6 +297,7 @@ class Flight(NamedTuple):
     hidden: bool
     sent: int = 0
     link: str = "ici"
+    across_loop: bool = False
 
 
 _LINE = re.compile(
@@ -492,7 +495,7 @@ def flights(hlo: str, mesh, axis: str) -> list[Flight]:
                 found, link = [(*moved, kind)], "dcn"
             if not found:
                 continue
-            hidden = False
+            hidden = across = False
             if op.endswith("-start") or op in ("fusion", "send"):
                 done = next(
                     (
@@ -504,8 +507,10 @@ def flights(hlo: str, mesh, axis: str) -> list[Flight]:
                     len(instrs),
                 )
                 hidden = any(_is_compute(o, ln, comps) for _, o, ln in instrs[i + 1 : done])
+                across = any(o == "while" for _, o, _ in instrs[i + 1 : done])
             for nbytes, sent, kind in found:
-                out.append(Flight(name, kind, nbytes, counts.get(name, 1), hidden, sent, link))
+                n = counts.get(name, 1)
+                out.append(Flight(name, kind, nbytes, n, hidden, sent, link, across))
     return out
 
 

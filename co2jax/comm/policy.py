@@ -85,8 +85,10 @@ def chunk_shards(devices_per_replica: int) -> int:
     chips of a slice sent the whole chunk over DCN). Split, each sends 1/D and the replica
     sends the payload once; the reduced slices are gathered inside the replica over its fast
     links when the payload is applied (``docs/overlap.md``). A payload sent in one piece is
-    not split: compiled for TPU, the split spread into the inner loop (the parameters came
-    to be split over ``data`` and gathered at every step).
+    split only where the outer state it comes from is split over ``data`` already
+    (:func:`co2jax.engines.program.splits_whole`); from a whole outer state, compiled for
+    TPU, the split spread into the inner loop (the parameters came to be split over ``data``
+    and gathered at every step).
     """
     return max(1, int(devices_per_replica))
 

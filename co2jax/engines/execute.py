@@ -8,7 +8,10 @@ compiler):
 - a transfer in one piece sent at one boundary and applied at a later one (a delayed
   algorithm: steps 0 and H; a Streaming DiLoCo fragment: its send step and tau steps later)
   is reduced at its send and consumed at its apply, outside the loops between them, so the
-  compiler may run its collective under their compute;
+  compiler may run its collective under their compute; from an outer state split over
+  ``data`` it is reduced as one chunk split over the replica's devices, each sending its
+  slice, and read only together with the parameters the loops return (an optimization
+  barrier), which keeps its all-gather in flight across them on TPU;
 - a transfer in chunks (``Transfer(chunks=K)``) is held in the loop's carry as a
   :class:`co2jax.comm.chunks.Buffer`; step k reduces the chunk due then, independent of that
   step's forward and backward pass, so the collective can hide under the step's compute.
@@ -96,6 +99,8 @@ class RoundDriver:
       batch: the round's batch, ``[H, ...]`` leaves.
       specs: where the state is kept (:class:`Specs`).
       shards: the replica's devices a chunk is split over (:func:`co2jax.comm.chunks.plan`).
+      split: per transfer, whether one sent in one piece is reduced as one chunk split over
+        the ``shards`` devices (:func:`co2jax.engines.program.splits_whole`); empty: none.
       offload: the outer state lives in host memory (``pinned_host``): it is moved to the
         device for each send and apply and back after, and stays out of the inner loops'
         carry (no inner step reads it), so the accelerator holds it only around the outer
@@ -112,12 +117,15 @@ class RoundDriver:
         specs: Specs,
         shards: int = 1,
         offload: bool = False,
+        split: tuple = (),
     ):
         self.outer, self.walk, self.reducers, self.shards = outer, walk, reducers, shards
+        self.split = split or (False,) * len(walk.transfers)
         self.offload = offload
         self.step, self.batch, self.specs = step, batch, specs
         self.store: dict[int, tuple[Any, Any]] = {}  # a transfer in one piece, in flight
         self.plans: dict[int, chunks.Plan] = {}
+        self.split_plans: dict[int, chunks.Plan] = {}  # a transfer in one piece, split
         self.losses: list[jax.Array] = []  # [steps] per segment
         self.aux: list[Any] = []  # the loss function's auxiliary outputs, [steps] leaves
 
@@ -139,12 +147,19 @@ class RoundDriver:
         payload, state = self.outer.send(params, self._outer_in(c.outer_state), i)
         c = c._replace(outer_state=self._outer_out(state))
         t = self.walk.transfers[i]
-        if t.chunks == 1:
+        shards = split_over(self.reducers[i], self.shards)  # 1 for a weighted reduction
+        if t.chunks == 1 and not (self.split[i] and shards > 1):
             self.store[i] = (payload, self.reducers[i](payload))
             return c
-        shards = split_over(self.reducers[i], self.shards)
-        self.plans[i] = chunks.plan(payload, self.reducers[i], t.chunks, shards=shards)
-        return self._hold(c, i, chunks.fill(self.plans[i], payload, varying_like))
+        cut = chunks.plan(payload, self.reducers[i], t.chunks, shards=shards)
+        if t.chunks == 1:  # one piece, each device's slice reduced here: kept out of the
+            # loop's carry, so its collective may stay in flight across the loop
+            piece = chunks.take(chunks.split(cut, payload), 0)
+            self.split_plans[i] = cut
+            self.store[i] = (piece, chunks.reduce(cut, self.reducers[i], piece))
+            return c
+        self.plans[i] = cut
+        return self._hold(c, i, chunks.fill(cut, payload, varying_like))
 
     def chunk(self, c: Carry, i: int, k: Any) -> Carry:
         plan = self.plans[i]
@@ -156,6 +171,16 @@ class RoundDriver:
         if i in self.plans:
             reduced = chunks.result(self.plans.pop(i), c.inflight[i])
             c = self._hold(c, i, ())
+        elif i in self.split_plans:
+            cut, (piece, vectors) = self.split_plans.pop(i), self.store.pop(i)
+            # the reduction read only with the loop's parameters: left free, XLA:TPU moved
+            # the slices' layout back to the payload's (collectives over data) before the
+            # loop and kept the all-gather synchronous there (docs/overlap.md)
+            vectors, _ = jax.lax.optimization_barrier((vectors, c.params))
+            # each group's reduction in the dtype a chunk's is kept in, as a spread transfer's
+            acc = [v[None].astype(d) for v, d in zip(vectors, cut.dtypes, strict=True)]
+            reduced = chunks.finish(cut, acc)
+            c = self._add(c, i, sums(chunks.piece_values(cut, piece), vectors))
         else:
             payload, reduced = self.store.pop(i)
             pairs = (jax.tree.leaves(values(payload)), jax.tree.leaves(values(reduced)))

@@ -37,6 +37,8 @@ class RoundPlan(NamedTuple):
       payload_shapes: per transfer, its payload's value shapes (one replica).
       shards: the devices of one replica a chunk is split over before it crosses the replica
         axis (:func:`co2jax.comm.chunks.reduce`; 1: each device sends whole chunks).
+      split: per transfer, whether one sent in one piece goes as a single chunk split over
+        the ``shards`` devices (:func:`splits_whole`); empty: none does.
     """
 
     transfers: tuple[Transfer, ...]
@@ -46,6 +48,7 @@ class RoundPlan(NamedTuple):
     walk: Walk
     payload_shapes: tuple
     shards: int = 1
+    split: tuple[bool, ...] = ()
 
     @property
     def reducer_kind(self) -> str:
@@ -109,10 +112,41 @@ def split_over(reducer: Reducer, shards: int) -> int:
     return shards if ok else 1
 
 
+def splits_whole(t: Transfer, reducer: Reducer, split_state: bool, shards: int) -> bool:
+    """Whether transfer ``t``, sent in one piece, is reduced as one chunk split over the
+    replica's ``shards`` devices (:func:`co2jax.comm.chunks.reduce`, ``chunks=1``): when it
+    is overlapped (sent before the step it is applied at), the outer state it comes from is
+    split inside the replica (``split_state``) and ``reducer`` can be split
+    (:func:`split_over`).
+
+    Such a payload already lies split over ``data``. Reduced whole, its one flat buffer was
+    gathered over ``data`` first and its all-gather over ``replica`` then ran synchronously
+    before the inner loop (TPU ahead of time, ``docs/overlap.md``); split, each device
+    sends its 1/``shards`` of the rows, and that all-gather starts before the loop and is
+    done after it. The values are the whole reduction's: a splittable reducer reduces whole
+    units (rows of elements, codec blocks) on their own, :math:`\\bar p_u = \\frac1R
+    \\sum_r p_{r,u}` for every unit :math:`u`, whichever device holds it.
+
+    Example:
+      >>> from co2jax.comm import all_gather_mean
+      >>> from co2jax.protocol import Transfer
+      >>> splits_whole(Transfer(0, 4), all_gather_mean(), True, 2)
+      True
+      >>> splits_whole(Transfer(4, 4), all_gather_mean(), True, 2)  # synchronous: as it was
+      False
+    """
+    return bool(
+        split_state and t.chunks == 1 and t.send < t.apply and split_over(reducer, shards) > 1
+    )
+
+
 def wire_bytes(
     run: tuple, payload_shapes: list, reducers: tuple, replicas: int, shards: int = 1
 ) -> float:
-    """Bytes one replica sends per round: every transfer (every chunk) by its reducer."""
+    """Bytes one replica sends per round: every transfer (every chunk) by its reducer. A
+    transfer in one piece counts its payload's bytes, split over devices or not
+    (:func:`splits_whole`: its padding to whole rows per device left out, so every layout
+    reports the same count)."""
     total = 0.0
     for t, shapes, reducer in zip(run, payload_shapes, reducers, strict=True):
         if t.chunks == 1:
@@ -147,7 +181,8 @@ def choose(
     platform that compiles it the replicas' payloads are averaged before the update
     instead of being handed to it gathered. ``split_payload``: each chunk of a spread
     transfer is split over the replica's ``devices_per_replica`` devices, each sending its
-    slice (:func:`co2jax.comm.policy.chunk_shards`)."""
+    slice (:func:`co2jax.comm.policy.chunk_shards`); so is an overlapped transfer in one
+    piece from a split outer state (:func:`splits_whole`)."""
     run = spread_schedule(outer, transfers, spread, platform, payload_shapes)
     gathered = outer.accepts_gathered and not (split_state and platform in LOWERED)
     chosen = [
@@ -166,11 +201,16 @@ def choose(
         for t, shapes in zip(run, payload_shapes, strict=True)
     ]
     shards = policy.chunk_shards(devices_per_replica) if split_payload else 1
-    # a payload cut into chunks cannot use a fused kernel's whole-payload layout: its
-    # reducer without it
-    reducers = tuple(
-        r.unfused if r.unfused is not None and t.chunks > 1 else r
+    unfused = lambda r: r.unfused if r.unfused is not None else r
+    split = tuple(
+        splits_whole(t, unfused(r), split_state, shards)
         for t, (_, r) in zip(run, chosen, strict=True)
+    )
+    # a payload cut into chunks (or split) cannot use a fused kernel's whole-payload layout:
+    # its reducer without it
+    reducers = tuple(
+        unfused(r) if t.chunks > 1 or cut else r
+        for t, (_, r), cut in zip(run, chosen, split, strict=True)
     )
     return RoundPlan(
         run,
@@ -180,4 +220,5 @@ def choose(
         walk(run, steps),
         tuple(payload_shapes),
         shards,
+        split,
     )

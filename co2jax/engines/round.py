@@ -163,7 +163,10 @@ class RoundTrainer:
         each sending its slice over the replica axis (the replica sends its payload once:
         :func:`co2jax.comm.policy.chunk_shards`). ``False``: every device sends the whole
         chunk (what the compiler does with a replicated payload; the same values). A payload
-        sent in one piece, or by a reducer that is not ``splittable``, goes whole.
+        sent in one piece, or by a reducer that is not ``splittable``, goes whole, except an
+        overlapped one from a split outer state (``shard_outer_state``, ``fsdp``): that one
+        stays split, so its all-gather stays in flight across the inner loop on TPU
+        (:func:`co2jax.engines.program.splits_whole`).
 
     Participation (:meth:`round`'s ``weights``, ``steps``): each reduction is weighted
     (:func:`co2jax.comm.weighted`); every replica applies the same reduced payload, so a
@@ -369,6 +372,7 @@ class RoundTrainer:
             specs,
             plan.shards,
             self.offload_outer_state,
+            plan.split,
         )
         count = len(plan.transfers)
         sums = varying_like(jnp.zeros((count, 3)), jax.lax.axis_index(REPLICA))
