@@ -34,12 +34,20 @@ the round's compute, up to that compute, and slows the overlapped compute by
 
 from __future__ import annotations
 
+# The command's first line: a Ctrl-C while JAX loads is kept, not dropped in its
+# garbage-collection callback (experiments.interrupts; main() then restores the handlers)
+from experiments import interrupts
+
+if __name__ == "__main__":
+    interrupts.install_early()
+
 import argparse
 import dataclasses
 import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -427,6 +435,11 @@ def _link(args, parser) -> Link:
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit code: 0, 1 (a row failed), 2 (a bad config or
     argument: nothing ran) or 130 (interrupted: the partial report is written)."""
+    early = interrupts.release_early()
+    if early is not None:
+        name = signal.Signals(early).name
+        print(f"co2jax compare: {name} during start-up: nothing ran", file=sys.stderr)
+        return 128 + early
     parser = _Parser(description="co2jax comparison report")
     parser.add_argument("--preset", default="cpu-tiny", choices=sorted(config_lib.PRESETS))
     parser.add_argument("--out", default=None, help="default: results/<preset>")

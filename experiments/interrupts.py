@@ -72,3 +72,15 @@ def command_signals() -> Signals:
     """The handlers :func:`install_early` installed, else new ones (a command called as a
     function, ``main([...])``, installs them when it starts)."""
     return _EARLY if _EARLY is not None else Signals()
+
+
+def release_early() -> int | None:
+    """Restores the handlers :func:`install_early` replaced (a command that takes Ctrl-C as
+    ``KeyboardInterrupt`` from here on: the comparison sweep) and returns the signal that
+    arrived during start-up, if one did."""
+    global _EARLY
+    if _EARLY is None:
+        return None
+    early, _EARLY = _EARLY, None
+    early.__exit__(None, None, None)
+    return early.signum
