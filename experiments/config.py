@@ -305,7 +305,9 @@ class ConfigError(ValueError):
     def within(self, where: str) -> ConfigError:
         """The same error, saying where the setting came from (a config file: ``where`` its
         path, or its path, line and the line's text)."""
-        return ConfigError(self.key, f"{self.why} (in {where})", *self.value)
+        out = ConfigError(self.key, f"{self.why} (in {where})", *self.value)
+        out.args = (f"{self} (in {where})",)  # the message as it was (from_library's too)
+        return out
 
 
 def from_library(error: ValueError) -> ConfigError:
