@@ -93,6 +93,16 @@ def test_adapter_without_params():
 # --- runs of the training driver: nothing lost, nothing silent (experiments/train.py) ---------
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_program():
+    """The runs below share one compiled round (their configs differ only in directories and
+    names: ``programs.shared_programs``); nothing here patches a trainer."""
+    from experiments import programs
+
+    with programs.shared_programs():
+        yield
+
+
 def _run_cfg(tmp_path, *overrides):
     from experiments import config as config_lib
 
@@ -122,9 +132,9 @@ def test_resume_with_no_checkpoint_says_it_starts_at_round_0(made, tmp_path, cap
 
     if made:
         (tmp_path / "ckpt").mkdir()
-    cfg = _run_cfg(tmp_path, f"checkpoint.dir={tmp_path / 'ckpt'}", "train.rounds=1")
+    cfg = _run_cfg(tmp_path, f"checkpoint.dir={tmp_path / 'ckpt'}", "train.rounds=2")
     history = train.train(cfg, resume=True).history
-    assert [r["round"] for r in history] == [1]
+    assert [r["round"] for r in history] == [1, 2]
     err = capsys.readouterr().err
     assert f"--resume: checkpoint.dir={tmp_path / 'ckpt'} holds no checkpoint: round 0" in err
 
@@ -156,41 +166,33 @@ def test_a_resumed_run_says_which_round_it_resumed_from(tmp_path, capsys):
     from experiments import train
 
     cfg = _run_cfg(
-        tmp_path, f"checkpoint.dir={tmp_path / 'ckpt'}", "train.rounds=3", "checkpoint.every=1"
+        tmp_path, f"checkpoint.dir={tmp_path / 'ckpt'}", "train.rounds=2", "checkpoint.every=1"
     )
-    train.train(cfg, stop_after=2)
+    train.train(cfg, stop_after=1)
     capsys.readouterr()
-    assert [r["round"] for r in train.train(cfg, resume=True).history] == [3]
-    assert f"resumed from round 2 of 3 (checkpoint.dir={tmp_path / 'ckpt'})" in (
+    assert [r["round"] for r in train.train(cfg, resume=True).history] == [2]
+    assert f"resumed from round 1 of 2 (checkpoint.dir={tmp_path / 'ckpt'})" in (
         capsys.readouterr().err
     )
 
 
 def test_a_run_that_fails_before_its_first_round_leaves_nothing_behind(tmp_path, monkeypatch):
-    """Before: a run that failed after validation (a compile error in its first round, say)
-    left config.json, run.json and an empty metrics.jsonl, and the same command was then
-    refused ('already holds a run'). Now the run directory goes with the failure, and the
-    command runs again as it is."""
-    from experiments import train
+    """Before: a run that failed after validation (a compile error in its first round, a full
+    disk, say) left config.json, run.json and an empty metrics.jsonl, and the same command
+    was then refused ('already holds a run'). Now the run directory goes with the failure,
+    and the command runs again as it is."""
+    from experiments import rundir, train
 
-    real = train.build_validated
+    def failing(self, record):
+        raise OSError(28, "No space left on device")
 
-    def failing(cfg):
-        run = real(cfg)
-
-        def round_(state, batch):
-            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while compiling")
-
-        run.trainer.round = round_
-        return run
-
-    cfg = _run_cfg(tmp_path, f"checkpoint.dir={tmp_path / 'ckpt'}", "train.rounds=1")
-    monkeypatch.setattr(train, "build_validated", failing)
-    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
-        train.train(cfg)
+    cfg = _run_cfg(tmp_path, f"checkpoint.dir={tmp_path / 'ckpt'}", "train.rounds=2")
+    with monkeypatch.context() as patch:
+        patch.setattr(rundir.Writers, "write", failing)
+        with pytest.raises(OSError, match="No space left"):
+            train.train(cfg)
     assert not (tmp_path / "logs" / "micro").exists()
-    monkeypatch.setattr(train, "build_validated", real)
-    assert [r["round"] for r in train.train(cfg).history] == [1]  # no --overwrite needed
+    assert [r["round"] for r in train.train(cfg).history] == [1, 2]  # no --overwrite needed
 
 
 def test_overwrite_never_deletes_what_is_not_a_run(tmp_path):
