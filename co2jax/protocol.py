@@ -93,9 +93,53 @@ class StateRoles(NamedTuple):
     wraps: str | None = None
 
 
+def checked_roles(cls: type) -> type:
+    """Class decorator of a state type: raises ``TypeError`` when the class is defined if its
+    ``ROLES`` (:class:`StateRoles`) name a field it does not have, so a renamed field
+    cannot leave a role pointing nowhere.
+
+    Example:
+      >>> from typing import NamedTuple
+      >>> @checked_roles
+      ... class BadState(NamedTuple):
+      ...     anchor: int
+      ...     ROLES = StateRoles("anchr")
+      Traceback (most recent call last):
+      ...
+      TypeError: BadState.ROLES names 'anchr', not a field of BadState (its fields: anchor)
+    """
+    roles, fields = cls.__dict__.get("ROLES"), getattr(cls, "_fields", ())
+    if not isinstance(roles, StateRoles):
+        raise TypeError(f"{cls.__name__}.ROLES must be a StateRoles, got {roles!r}")
+    named = [roles.anchor, roles.wraps, *roles.replica_varying, *roles.advances]
+    for name in named:
+        if name is not None and name not in fields:
+            raise TypeError(
+                f"{cls.__name__}.ROLES names {name!r}, not a field of {cls.__name__} (its "
+                f"fields: {', '.join(fields)})"
+            )
+    return cls
+
+
 def roles_of(state: Any) -> StateRoles:
     """The :class:`StateRoles` ``state``'s type declares (none: every field plain)."""
     return getattr(type(state), "ROLES", StateRoles())
+
+
+def find_state(state: Any, kind: type) -> Any:
+    """The first node of type ``kind`` in ``state`` (through the states it wraps and the
+    transforms' states it holds), or ``None``: how an algorithm reads its own state back
+    where wrappers (a guard, error feedback) put it.
+
+    Example:
+      >>> import jax.numpy as jnp, co2jax
+      >>> from co2jax.algorithms.guards import SkipNonfiniteState
+      >>> outer = co2jax.skip_nonfinite(co2jax.diloco(co2jax.outer_sgd(0.7)))
+      >>> find_state(outer.init(jnp.ones(2)), SkipNonfiniteState).num_skipped
+      Array(0, dtype=int32)
+    """
+    is_kind = lambda node: isinstance(node, kind)
+    return next((n for n in jax.tree.leaves(state, is_leaf=is_kind) if is_kind(n)), None)
 
 
 def anchor_of(state: Any) -> Any:

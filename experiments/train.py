@@ -34,11 +34,13 @@ import numpy as np
 import co2jax
 from co2jax.algorithms import registry
 from experiments import checkpoints as ckpt_lib
-from experiments import checks, files, round_stats, rundir
+from experiments import checks, files, rundir
 from experiments import config as config_lib
 from experiments import inner as inner_lib
 from experiments.programs import build_validated, device_origin, setup_devices, with_outer_lr
 from experiments.rundir import Diverged, Interrupted, RunError
+
+_consensus = jax.jit(co2jax.consensus_distance)  # 0 unless replicas keep their own anchors
 
 
 class Result(NamedTuple):
@@ -178,11 +180,11 @@ def _train_claimed(
     eval_fn, eval_batch = run.eval_fn
     every_step = registry.capabilities(cfg.outer.algorithm).every_step
     step_bytes = registry.REGISTRY[cfg.outer.algorithm].step_bytes
-    consensus = round_stats.consensus()  # 0 unless replicas keep their own anchors
     # the inner lr at each round's end, evaluated once (op by op, a schedule costs a few
     # dispatches a round: more than a small model's round on CPU)
     inner_lrs = np.asarray(jax.vmap(run.schedule)(np.arange(1, t.rounds + 1) * H))
-    saved, skipped_run, last_skipped = (start or None), 0, round_stats.skipped(state) or 0
+    last_skipped = cfg.outer.recorded(state.outer_state).get("skipped") or 0
+    saved, skipped_run = (start or None), 0
     try:
         with signals or interrupts.Signals() as signals:
             end = t.rounds if stop_after is None else min(t.rounds, stop_after)
@@ -220,11 +222,10 @@ def _train_claimed(
                     "seconds": seconds,
                     "tokens_per_s": tokens_per_round / seconds,
                     "inner_lr": float(inner_lrs[k]),
-                    "skipped": round_stats.skipped(state),
-                    "clip_fraction": round_stats.clip_fraction(
-                        state, getattr(cfg.outer, "clip_threshold", None)
-                    ),
-                    "penalty_scale": round_stats.penalty_scale(state),
+                    # what the algorithm records of its state (these three: None where it
+                    # has none of them)
+                    **dict.fromkeys(("skipped", "clip_fraction", "penalty_scale")),
+                    **cfg.outer.recorded(state.outer_state),
                     "collective": _collectives(trainer, state, every_step),
                     "overlapped": trainer.outer.overlapped,
                 }
@@ -236,7 +237,7 @@ def _train_claimed(
                     )
                     # with the eval, not every round: a reduction of every parameter over the
                     # replica axis (the slow link) that the algorithm itself does not need
-                    record["consensus_distance"] = float(consensus(state.params))
+                    record["consensus_distance"] = float(_consensus(state.params))
                 writers.write(record)
                 if last:
                     writers.finish()

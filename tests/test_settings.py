@@ -234,3 +234,46 @@ def test_adding_an_algorithm_with_one_new_setting(diloco_wd, tmp_path, capsys):
         train.main(["--help", "outer.algorithm=diloco_wd"])
     line = next(s for s in capsys.readouterr().out.splitlines() if "outer_weight_decay" in s)
     assert "float" in line and "0.1" in line and "adds wd * theta" in line
+
+
+@pytest.mark.parametrize("name", registry.NAMES)
+def test_what_a_run_records_comes_from_the_algorithm(name):
+    """A run's records of an algorithm's state come from the algorithm's own hook
+    (``Settings.recorded``: every piece's ``metrics``), never from a field name read outside:
+    the guard's skipped steps, CO2's clipped fraction and penalty scale."""
+    s = registry.settings(name)
+    outer = registry.build(s, registry.Context(H, LEAVES, LR, num_replicas=2))
+    state = jax.vmap(outer.init)(jax.tree.map(lambda x: jnp.stack([x, x]), LEAVES))
+    recorded = s.recorded(state)
+    assert all(isinstance(k, str) for k in recorded)
+    guarded = isinstance(s, settings.Guard) and s.skip_nonfinite  # by build or by itself
+    assert recorded.get("skipped") == (0 if guarded else None)
+    if name == "co2":
+        assert recorded["penalty_scale"] == 1.0 and recorded["clip_fraction"] is None
+        clipped = registry.settings("co2", clip_threshold=1e-9)
+        outer = registry.build(clipped, registry.Context(H, LEAVES, LR, num_replicas=2))
+        state = jax.vmap(outer.init)(jax.tree.map(lambda x: jnp.stack([x, x]), LEAVES))
+        assert clipped.recorded(state)["clip_fraction"] == 0.0  # the momentum starts at 0
+
+
+def test_every_state_roles_names_its_own_fields():
+    """Each state type's ``ROLES`` is checked against its fields when the class is defined
+    (``co2jax.protocol.checked_roles``); every such type in the package is decorated, so a
+    renamed field cannot leave a role pointing nowhere."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from co2jax.protocol import StateRoles, checked_roles
+
+    found = {}
+    for info in pkgutil.walk_packages(co2jax.__path__, "co2jax."):
+        module = importlib.import_module(info.name)
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if isinstance(cls.__dict__.get("ROLES"), StateRoles):
+                found[cls.__qualname__] = cls
+    assert len(found) >= 9, sorted(found)
+    for cls in found.values():
+        assert checked_roles(cls) is cls
+        source = inspect.getsource(cls)
+        assert source.lstrip().startswith("@checked_roles"), cls.__name__

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from co2jax import penalties as _penalties
@@ -19,7 +21,7 @@ from co2jax.algorithms.settings import Fused, Guard, Settings, StepSize, fail, r
 from co2jax.axes import REPLICA
 from co2jax.comm.reducer import Reducer
 from co2jax.kernels.spec import OuterUpdateSpec
-from co2jax.protocol import OuterOptimizer
+from co2jax.protocol import OuterOptimizer, find_state
 
 MODES = ("paper", "reference_code")
 
@@ -280,6 +282,21 @@ class CO2Settings(Settings, StepSize, Fused, Guard):
         if self.clip_threshold is not None and not self.clip_threshold > 0:
             fail("clip_threshold", self.clip_threshold, "must be > 0 or None")
 
+    def metrics(self, state: Any) -> dict[str, Any]:
+        """``clip_fraction``: the fraction of momentum elements at the clip bound (None
+        without a clip); ``penalty_scale``: the staleness penalty's mean multiplier."""
+        momentum = find_state(state, CO2MomentumState)
+        if momentum is None:
+            return {"clip_fraction": None, "penalty_scale": None}
+        clip = self.clip_threshold if self.mode == "paper" else None
+        fraction = None
+        if clip is not None:
+            fraction = float(_at_bound(momentum.momentum, clip * (1 - 1e-6)))
+        return {
+            "clip_fraction": fraction,
+            "penalty_scale": float(np.asarray(momentum.penalty_scale).mean()),
+        }
+
     def build(self, context, reduce) -> OuterOptimizer:
         penalty = {
             "none": None,
@@ -291,3 +308,12 @@ class CO2Settings(Settings, StepSize, Fused, Guard):
             self.learning_rate, self.momentum, clip, penalty, self.mode, reduce=reduce,
             implementation=self.implementation,
         )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _at_bound(momentum: Any, bound: float) -> jax.Array:
+    """The fraction of elements with ``|m| >= bound``, on device: the momentum is
+    parameter-sized and stays where it is (one program per state shapes and bound)."""
+    leaves = jax.tree.leaves(momentum)
+    at = sum(jnp.sum(jnp.abs(x) >= bound) for x in leaves)
+    return at / max(1, sum(x.size for x in leaves))

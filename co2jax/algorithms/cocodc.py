@@ -57,12 +57,13 @@ from co2jax.algorithms.streaming_diloco import StreamingState, streaming_diloco
 from co2jax.axes import REPLICA
 from co2jax.comm.reducer import Reducer
 from co2jax.fragments import Fragments
-from co2jax.protocol import OuterOptimizer, StateRoles
+from co2jax.protocol import OuterOptimizer, StateRoles, checked_roles
 
 Params = Any
 CORRECTIONS = ("none", "zeroth", "first")
 
 
+@checked_roles
 class CoCoDCState(NamedTuple):
     """State of :func:`cocodc` (one per replica).
 

@@ -34,9 +34,10 @@ from co2jax.algorithms.settings import DCTTopK, LearningRate, Settings, fail, re
 from co2jax.axes import REPLICA
 from co2jax.comm.dct import all_gather_dct_topk
 from co2jax.comm.reducer import values
-from co2jax.protocol import SYNCHRONOUS, OuterOptimizer, Params, StateRoles
+from co2jax.protocol import SYNCHRONOUS, OuterOptimizer, Params, StateRoles, checked_roles
 
 
+@checked_roles
 class DCTDiLoCoState(NamedTuple):
     """State of :func:`dct_diloco` (one per replica).
 

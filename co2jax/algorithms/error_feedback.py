@@ -35,9 +35,10 @@ import jax.numpy as jnp
 
 from co2jax._checks import check_positive, check_unit_interval
 from co2jax.comm.reducer import Encoded
-from co2jax.protocol import OuterOptimizer, Params, StateRoles, payload_shapes
+from co2jax.protocol import OuterOptimizer, Params, StateRoles, checked_roles, payload_shapes
 
 
+@checked_roles
 class ErrorFeedbackState(NamedTuple):
     """State of :func:`error_feedback`.
 

@@ -7,10 +7,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from co2jax.protocol import OuterOptimizer, Params, StateRoles, anchor_of, roles_of
+from co2jax.protocol import OuterOptimizer, Params, StateRoles, anchor_of, checked_roles, roles_of
 from co2jax.tree import all_over_shards, tree_all_finite, tree_select
 
 
+@checked_roles
 class SkipNonfiniteState(NamedTuple):
     """State of :func:`skip_nonfinite`.
 

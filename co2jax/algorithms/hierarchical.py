@@ -15,10 +15,11 @@ from co2jax.algorithms.outer_schedules import outer_transform
 from co2jax.algorithms.settings import OuterStep, Settings, fail, register, setting
 from co2jax.axes import REPLICA
 from co2jax.comm.regions import global_payload, region_payload, slow_link_bytes, two_level_mean
-from co2jax.protocol import SYNCHRONOUS, OuterOptimizer, Params, StateRoles
+from co2jax.protocol import SYNCHRONOUS, OuterOptimizer, Params, StateRoles, checked_roles
 from co2jax.tree import tree_bytes, tree_select, tree_sub
 
 
+@checked_roles
 class HierarchicalState(NamedTuple):
     """State of :func:`hierarchical_diloco` (one per replica).
 

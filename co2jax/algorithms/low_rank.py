@@ -38,10 +38,11 @@ from co2jax._checks import check_int, check_unit_interval
 from co2jax.axes import REPLICA
 from co2jax.comm.lowrank import all_gather_low_rank, encode_factors, initial_factors
 from co2jax.comm.reducer import Encoded
-from co2jax.protocol import OuterOptimizer, Params, StateRoles, payload_shapes
+from co2jax.protocol import OuterOptimizer, Params, StateRoles, checked_roles, payload_shapes
 from co2jax.tree import tree_all_finite, tree_select
 
 
+@checked_roles
 class LowRankState(NamedTuple):
     """State of :func:`low_rank`.
 

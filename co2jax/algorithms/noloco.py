@@ -12,7 +12,7 @@ from co2jax._checks import check_axis_name, check_int, check_positive, check_uni
 from co2jax.algorithms.settings import Settings, StepSize, fail, register, setting
 from co2jax.axes import REPLICA
 from co2jax.comm.gossip import gossip_mean, gossip_payload
-from co2jax.protocol import SYNCHRONOUS, OuterOptimizer, Params, StateRoles
+from co2jax.protocol import SYNCHRONOUS, OuterOptimizer, Params, StateRoles, checked_roles
 from co2jax.tree import tree_sub
 
 
@@ -20,6 +20,7 @@ def _split(reduced):
     return reduced["drift"], reduced["anchor"]
 
 
+@checked_roles
 class NoLoCoState(NamedTuple):
     """State of :func:`noloco` (one per replica).
 

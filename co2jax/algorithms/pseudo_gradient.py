@@ -37,10 +37,11 @@ from co2jax.axes import REPLICA, axis_size
 from co2jax.comm import policy
 from co2jax.comm.reducer import Reducer, as_reducer, values
 from co2jax.kernels.api import check_implementation, outer_update
-from co2jax.protocol import DELAYED, SYNCHRONOUS, OuterOptimizer, Params, StateRoles
+from co2jax.protocol import DELAYED, SYNCHRONOUS, OuterOptimizer, Params, StateRoles, checked_roles
 from co2jax.tree import tree_select, tree_size, tree_sub
 
 
+@checked_roles
 class PseudoGradientState(NamedTuple):
     """State of a pseudo-gradient outer optimizer (one per replica).
 

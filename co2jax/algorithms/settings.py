@@ -31,10 +31,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import numpy as np
 import optax
 
 from co2jax.algorithms.error_feedback import error_feedback
-from co2jax.algorithms.guards import skip_nonfinite
+from co2jax.algorithms.guards import SkipNonfiniteState, skip_nonfinite
 from co2jax.algorithms.outer_schedules import (
     LR_SCHEDULES,
     OPTIMIZERS,
@@ -45,7 +46,7 @@ from co2jax.algorithms.outer_schedules import (
 from co2jax.comm import FORMATS, all_gather_compressed, all_reduce_compressed, make
 from co2jax.fragments import Fragments, make_fragments
 from co2jax.kernels.api import IMPLEMENTATIONS
-from co2jax.protocol import OuterOptimizer
+from co2jax.protocol import OuterOptimizer, find_state
 
 COMPRESSIONS = tuple(f for f in FORMATS if f != "topk")  # topk needs k and a chunk: SparseLoCo
 COLLECTIVES = ("all_gather", "two_step")  # how compressed payloads are reduced
@@ -119,6 +120,23 @@ class Settings:
     def build(self, context: Context, reduce: Any) -> OuterOptimizer:
         """The outer optimizer (``reduce``: the compressed reducer, or ``None``)."""
         raise NotImplementedError(f"{type(self).__name__} builds nothing")
+
+    def metrics(self, state: Any) -> dict[str, Any]:
+        """What a run records of this class's part of the algorithm's state each round
+        (each piece and each algorithm defines its own; :meth:`recorded` merges them)."""
+        del state
+        return {}
+
+    def recorded(self, state: Any) -> dict[str, Any]:
+        """What a run records each round of the algorithm's outer state (``state``: a
+        leading replica axis): every piece's :meth:`metrics`, base pieces first. The
+        algorithm reads its own state (:func:`co2jax.protocol.find_state`); nothing outside
+        it reads a field of its state by name."""
+        out: dict[str, Any] = {}
+        for cls in reversed(type(self).__mro__):
+            if "metrics" in cls.__dict__:
+                out.update(cls.__dict__["metrics"](self, state))
+        return out
 
     def slow_link_bytes(self, params: Any, replicas: int) -> float | None:
         """Bytes one replica sends per round over the links between regions, where the
@@ -295,6 +313,11 @@ class Guard:
     """:func:`co2jax.skip_nonfinite` around the algorithm."""
 
     skip_nonfinite: bool = setting(True, "skip a non-finite outer step (and recover)")
+
+    def metrics(self, state: Any) -> dict[str, Any]:
+        """``skipped``: the outer steps the guard has skipped (None: no guard)."""
+        guard = find_state(state, SkipNonfiniteState)
+        return {"skipped": None if guard is None else int(np.asarray(guard.num_skipped).max())}
 
 
 @dataclasses.dataclass(frozen=True)

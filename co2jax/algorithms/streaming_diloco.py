@@ -51,11 +51,12 @@ from co2jax.algorithms.settings import (
 from co2jax.axes import REPLICA
 from co2jax.comm.reducer import Reducer, as_reducer
 from co2jax.fragments import Fragments
-from co2jax.protocol import OuterOptimizer, StateRoles, Transfer
+from co2jax.protocol import OuterOptimizer, StateRoles, Transfer, checked_roles
 
 Params = Any
 
 
+@checked_roles
 class StreamingState(NamedTuple):
     """State of :func:`streaming_diloco` (one per replica).
 
