@@ -17,7 +17,8 @@ from co2jax import penalties as _penalties
 from co2jax._checks import check_positive, check_unit_interval
 from co2jax.algorithms.fused import Fusable, FusableTransformation
 from co2jax.algorithms.pseudo_gradient import pseudo_gradient_method
-from co2jax.algorithms.settings import Fused, Guard, Settings, StepSize, fail, register, setting
+from co2jax.algorithms.registry import register
+from co2jax.algorithms.settings import Fused, Guard, Settings, StepSize, fail, setting
 from co2jax.axes import REPLICA
 from co2jax.comm.reducer import Reducer
 from co2jax.kernels.spec import OuterUpdateSpec

@@ -44,13 +44,13 @@ import jax.numpy as jnp
 import optax
 
 from co2jax._checks import check_choice
+from co2jax.algorithms.registry import register
 from co2jax.algorithms.settings import (
     Compression,
     Fragmented,
     OuterStep,
     Settings,
     fail,
-    register,
     setting,
 )
 from co2jax.algorithms.streaming_diloco import StreamingState, streaming_diloco

@@ -9,7 +9,8 @@ import jax
 import optax
 
 from co2jax._checks import check_axis_name, check_transform
-from co2jax.algorithms.settings import Settings, register, setting
+from co2jax.algorithms.registry import register
+from co2jax.algorithms.settings import Settings, setting
 from co2jax.axes import REPLICA, axis_size
 from co2jax.comm.reducer import pmean, ring_bytes
 from co2jax.protocol import OuterOptimizer

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from co2jax._checks import check_axis_name, check_int, check_positive, check_unit_interval
-from co2jax.algorithms.settings import DCTTopK, LearningRate, Settings, fail, register, setting
+from co2jax.algorithms.registry import register
+from co2jax.algorithms.settings import DCTTopK, LearningRate, Settings, fail, setting
 from co2jax.axes import REPLICA
 from co2jax.comm.dct import all_gather_dct_topk
 from co2jax.comm.reducer import values

@@ -28,7 +28,8 @@ import optax
 
 from co2jax._checks import check_axis_name, check_int, check_positive, check_unit_interval
 from co2jax.algorithms.data_parallel import no_sync
-from co2jax.algorithms.settings import DCTTopK, Settings, fail, register, setting
+from co2jax.algorithms.registry import register
+from co2jax.algorithms.settings import DCTTopK, Settings, fail, setting
 from co2jax.axes import REPLICA, axis_size
 from co2jax.comm.dct import all_gather_dct_topk
 from co2jax.protocol import OuterOptimizer

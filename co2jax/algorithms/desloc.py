@@ -21,7 +21,8 @@ import optax
 
 from co2jax._checks import check_axis_name, check_int, check_transform
 from co2jax.algorithms.local_sgd import local_sgd
-from co2jax.algorithms.settings import Guard, Settings, fail, register, setting
+from co2jax.algorithms.registry import register
+from co2jax.algorithms.settings import Guard, Settings, fail, setting
 from co2jax.axes import REPLICA, axis_size
 from co2jax.comm.reducer import ring_bytes
 from co2jax.protocol import OuterOptimizer

@@ -10,6 +10,7 @@ import optax
 from co2jax._checks import check_int
 from co2jax.algorithms.outer_schedules import outer_transform
 from co2jax.algorithms.pseudo_gradient import pseudo_gradient_method
+from co2jax.algorithms.registry import register
 from co2jax.algorithms.settings import (
     Compression,
     Delay,
@@ -17,7 +18,6 @@ from co2jax.algorithms.settings import (
     Guard,
     OuterStep,
     Settings,
-    register,
     setting,
 )
 from co2jax.axes import REPLICA

@@ -26,6 +26,7 @@ from co2jax._checks import check_int
 from co2jax.algorithms.diloco import delayed_diloco
 from co2jax.algorithms.guards import skip_nonfinite as guard
 from co2jax.algorithms.low_rank import low_rank
+from co2jax.algorithms.registry import register
 from co2jax.algorithms.settings import (
     Delay,
     Fused,
@@ -33,7 +34,6 @@ from co2jax.algorithms.settings import (
     OuterStep,
     Settings,
     fail,
-    register,
     setting,
 )
 from co2jax.axes import REPLICA

@@ -12,7 +12,8 @@ import optax
 
 from co2jax._checks import check_axis_name, check_int, check_transform, check_unit_interval
 from co2jax.algorithms.outer_schedules import outer_transform
-from co2jax.algorithms.settings import OuterStep, Settings, fail, register, setting
+from co2jax.algorithms.registry import register
+from co2jax.algorithms.settings import OuterStep, Settings, fail, setting
 from co2jax.axes import REPLICA
 from co2jax.comm.regions import global_payload, region_payload, slow_link_bytes, two_level_mean
 from co2jax.protocol import SYNCHRONOUS, OuterOptimizer, Params, StateRoles, checked_roles

@@ -7,7 +7,8 @@ import dataclasses
 import optax
 
 from co2jax.algorithms.pseudo_gradient import pseudo_gradient_method
-from co2jax.algorithms.settings import Guard, Settings, register, setting
+from co2jax.algorithms.registry import register
+from co2jax.algorithms.settings import Guard, Settings, setting
 from co2jax.axes import REPLICA
 from co2jax.comm.reducer import Reducer
 from co2jax.protocol import OuterOptimizer

@@ -20,6 +20,7 @@ import optax
 from co2jax._checks import check_choice, check_unit_interval
 from co2jax.algorithms.diloco import diloco
 from co2jax.algorithms.error_feedback import error_feedback
+from co2jax.algorithms.registry import register
 from co2jax.algorithms.settings import (
     COLLECTIVES,
     COMPRESSIONS,
@@ -29,7 +30,6 @@ from co2jax.algorithms.settings import (
     OuterStep,
     Settings,
     fail,
-    register,
     setting,
 )
 from co2jax.protocol import OuterOptimizer

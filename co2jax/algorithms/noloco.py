@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from co2jax._checks import check_axis_name, check_int, check_positive, check_unit_interval
-from co2jax.algorithms.settings import Settings, StepSize, fail, register, setting
+from co2jax.algorithms.registry import register
+from co2jax.algorithms.settings import Settings, StepSize, fail, setting
 from co2jax.axes import REPLICA
 from co2jax.comm.gossip import gossip_mean, gossip_payload
 from co2jax.protocol import SYNCHRONOUS, OuterOptimizer, Params, StateRoles, checked_roles

@@ -1,10 +1,15 @@
-"""The algorithm registry: every algorithm's settings class, and what each can do, derived.
+"""The algorithm registry, in one module: every algorithm's settings class, how it is built,
+and what each can do, derived.
 
 Each algorithm declares its settings beside its factory (:mod:`co2jax.algorithms.settings`:
-a frozen dataclass of the shared pieces it takes and its own fields, registered with one
-decorator). Importing this module imports every algorithm, so :data:`REGISTRY` holds them
-all. Adding an algorithm is its file (factory and settings), its textbook loop
-(``tests/textbook.py``), its docs page and the import below; the experiment configs, the
+a frozen dataclass of the shared pieces it takes and its own fields) and registers it here
+with one decorator (:func:`register`); importing ``co2jax.algorithms`` imports every
+algorithm module, so :data:`REGISTRY` holds them all (this module imports none of them: each
+imports :func:`register` from here). :func:`settings` makes an algorithm's settings,
+:func:`build` its outer optimizer (with the compressed reducer, the guard and error
+feedback), :func:`inner` its inner transform; ``NAMES`` lists them in report order. Adding an
+algorithm is its file (factory and settings), its textbook loop (``tests/textbook.py``), its
+docs page and its import in ``co2jax/algorithms/__init__.py``; the experiment configs, the
 comparison report and the shared tests read it from here. What an algorithm can do
 (:func:`capabilities`) is derived from what it builds, not declared.
 
@@ -20,48 +25,77 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-# every algorithm's module registers its settings when imported
-from co2jax.algorithms import (  # noqa: F401
-    co2,
-    cocodc,
-    data_parallel,
-    dct_diloco,
-    demo,
-    desloc,
-    diloco,
-    diloco_x,
-    hierarchical,
-    local_sgd,
-    muloco,
-    noloco,
-    slowmo,
-    sparseloco,
-    sparta,
-    streaming_diloco,
-)
+from co2jax.algorithms.guards import skip_nonfinite
 from co2jax.algorithms.settings import (
     COLLECTIVES,
     COMPRESSIONS,
-    REGISTRY,
     Bounds,
     Compression,
     Context,
-    Entry,
     Fragmented,
     Guard,
     OuterStep,
     Settings,
-    build,
     fail,
 )
 from co2jax.axes import REPLICA, communicates
-from co2jax.protocol import resolve
+from co2jax.protocol import OuterOptimizer, resolve
+
+
+class Entry(NamedTuple):
+    """A registered algorithm: its settings class, a one-line summary and, for one that
+    replaces or wraps the inner transform (DDP, DeMo, SPARTA, DES-LOC), ``inner(transform,
+    settings, learning_rate, sync_every=H)`` and ``step_bytes(settings, params, replicas,
+    sync_every)`` (bytes one replica sends per inner step, on average)."""
+
+    settings: type
+    summary: str
+    inner: Callable | None = None
+    step_bytes: Callable | None = None
+
+
+REGISTRY: dict[str, Entry] = {}
+
+
+def register(summary: str, *, inner: Callable | None = None, step_bytes: Callable | None = None):
+    """Registers a settings class under the default of its ``algorithm`` field (and stamps
+    the class with it: :meth:`Settings.validate` checks that a settings object is its
+    algorithm's own class)."""
+
+    def wrap(cls: type) -> type:
+        name = next(f.default for f in dataclasses.fields(cls) if f.name == "algorithm")
+        if not name or name in REGISTRY:
+            raise ValueError(f"{cls.__name__}: algorithm={name!r} is empty or taken")
+        REGISTRY[name] = Entry(cls, summary, inner, step_bytes)
+        cls.registered_as = name
+        return cls
+
+    return wrap
+
+
+def build(settings: Settings, context: Context) -> OuterOptimizer:
+    """The outer optimizer ``settings`` name, with the compressed reducer, the guard and
+    error feedback where the settings ask for them (validated where they were loaded:
+    :meth:`Settings.validate`).
+
+    The guard (``skip_nonfinite``) goes inside error feedback: a skipped step keeps the
+    residual, which holds what the compressed payload left out.
+    """
+    reduce = settings.reducer() if isinstance(settings, Compression) else None
+    outer = settings.build(context, reduce)
+    if isinstance(settings, Guard) and settings.skip_nonfinite and not outer.recovers_nonfinite:
+        outer = skip_nonfinite(outer)
+    if reduce is not None and settings.error_feedback:
+        outer = settings.feedback(outer)
+    return outer
+
 
 ORDER = (
     "ddp",
@@ -84,14 +118,25 @@ ORDER = (
     "desloc",
     "muloco",
 )
-NAMES = (*(n for n in ORDER if n in REGISTRY), *(n for n in REGISTRY if n not in ORDER))
-"""Every registered algorithm, in the order the reports list them (one not in ``ORDER``
-after those, in the order it registered)."""
+
+
+def _names() -> tuple[str, ...]:
+    return (*(n for n in ORDER if n in REGISTRY), *(n for n in REGISTRY if n not in ORDER))
+
+
+def __getattr__(name: str) -> Any:
+    """``NAMES``: every registered algorithm, in the order the reports list them (one not in
+    ``ORDER`` after those, in the order it registered), read when asked for: the algorithm
+    modules register themselves when ``co2jax.algorithms`` imports them, after this
+    module (each imports :func:`register` from here, so this one imports none of them)."""
+    if name == "NAMES":
+        return _names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "COLLECTIVES",
     "COMPRESSIONS",
-    "NAMES",
     "REGISTRY",
     "Bounds",
     "Capabilities",
@@ -102,6 +147,7 @@ __all__ = [
     "capabilities",
     "inner",
     "settings",
+    "register",
     "unknown",
 ]
 
@@ -110,7 +156,7 @@ def settings(algorithm: str, **fields: Any) -> Settings:
     """``algorithm``'s settings with ``fields`` set (not yet validated). A field the
     algorithm does not declare raises a one-line ``ValueError`` naming ``outer.<field>``."""
     if algorithm not in REGISTRY:
-        fail("algorithm", algorithm, f"must be one of {NAMES}")
+        fail("algorithm", algorithm, f"must be one of {_names()}")
     cls = REGISTRY[algorithm].settings
     names = {f.name for f in dataclasses.fields(cls)}
     for name, value in fields.items():
@@ -122,7 +168,7 @@ def settings(algorithm: str, **fields: Any) -> Settings:
 def unknown(algorithm: str, name: str) -> str:
     """Why ``name`` cannot be set for ``algorithm`` (it declares no such setting), one line:
     the algorithms that have it, or the nearest of its own."""
-    every = dict.fromkeys((*NAMES, *REGISTRY))  # one registered since the import: last
+    every = _names()
     owners = [
         n for n in every if name in {f.name for f in dataclasses.fields(REGISTRY[n].settings)}
     ]
@@ -202,4 +248,4 @@ def capabilities(algorithm: str) -> Capabilities:
 
 def names_where(flag: str) -> tuple[str, ...]:
     """The registered algorithms whose capability ``flag`` is true."""
-    return tuple(n for n in NAMES if getattr(capabilities(n), flag))
+    return tuple(n for n in _names() if getattr(capabilities(n), flag))

@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from co2jax.algorithms.error_feedback import error_feedback
-from co2jax.algorithms.guards import SkipNonfiniteState, skip_nonfinite
+from co2jax.algorithms.guards import SkipNonfiniteState
 from co2jax.algorithms.outer_schedules import (
     LR_SCHEDULES,
     OPTIMIZERS,
@@ -106,8 +106,10 @@ class Settings:
         """Every field's choices, then every piece's ``check`` (base pieces first); returns
         ``self``. Raises a one-line ``ValueError`` naming ``outer.<field>``."""
         bounds = Bounds() if bounds is None else bounds
-        if self.algorithm not in REGISTRY or REGISTRY[self.algorithm].settings is not type(self):
-            fail("algorithm", self.algorithm, f"must be one of {tuple(REGISTRY)}")
+        own = type(self).__dict__.get("registered_as")  # stamped by registry.register
+        if own != self.algorithm:
+            why = "registered" if own is None else f"{own!r}"
+            fail("algorithm", self.algorithm, f"must be {why} for {type(self).__name__}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices is not None and getattr(self, f.name) not in choices:
@@ -382,52 +384,3 @@ class DCTTopK:
         for name in ("topk", "dct_chunk"):
             if getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be >= 1")
-
-
-# ---------------------------------------------------------------------------------------------
-# the registry
-
-
-class Entry(NamedTuple):
-    """A registered algorithm: its settings class, a one-line summary and, for one that
-    replaces or wraps the inner transform (DDP, DeMo, SPARTA, DES-LOC), ``inner(transform,
-    settings, learning_rate, sync_every=H)`` and ``step_bytes(settings, params, replicas,
-    sync_every)`` (bytes one replica sends per inner step, on average)."""
-
-    settings: type
-    summary: str
-    inner: Callable | None = None
-    step_bytes: Callable | None = None
-
-
-REGISTRY: dict[str, Entry] = {}
-
-
-def register(summary: str, *, inner: Callable | None = None, step_bytes: Callable | None = None):
-    """Registers a settings class under the default of its ``algorithm`` field."""
-
-    def wrap(cls: type) -> type:
-        name = next(f.default for f in dataclasses.fields(cls) if f.name == "algorithm")
-        if not name or name in REGISTRY:
-            raise ValueError(f"{cls.__name__}: algorithm={name!r} is empty or taken")
-        REGISTRY[name] = Entry(cls, summary, inner, step_bytes)
-        return cls
-
-    return wrap
-
-
-def build(settings: Settings, context: Context) -> OuterOptimizer:
-    """The outer optimizer ``settings`` name, with the compressed reducer, the guard and
-    error feedback where the settings ask for them (validated where they were loaded:
-    :meth:`Settings.validate`).
-
-    The guard (``skip_nonfinite``) goes inside error feedback: a skipped step keeps the
-    residual, which holds what the compressed payload left out.
-    """
-    reduce = settings.reducer() if isinstance(settings, Compression) else None
-    outer = settings.build(context, reduce)
-    if isinstance(settings, Guard) and settings.skip_nonfinite and not outer.recovers_nonfinite:
-        outer = skip_nonfinite(outer)
-    if reduce is not None and settings.error_feedback:
-        outer = settings.feedback(outer)
-    return outer

@@ -12,7 +12,8 @@ import optax
 
 from co2jax._checks import check_positive, check_unit_interval
 from co2jax.algorithms.pseudo_gradient import pseudo_gradient_method
-from co2jax.algorithms.settings import Guard, Settings, StepSize, register, setting
+from co2jax.algorithms.registry import register
+from co2jax.algorithms.settings import Guard, Settings, StepSize, setting
 from co2jax.axes import REPLICA
 from co2jax.comm.reducer import Reducer
 from co2jax.protocol import OuterOptimizer

@@ -9,7 +9,8 @@ from co2jax._checks import check_choice, check_int, check_positive, check_unit_i
 from co2jax.algorithms.diloco import diloco
 from co2jax.algorithms.error_feedback import error_feedback
 from co2jax.algorithms.fused import outer_sgd
-from co2jax.algorithms.settings import Guard, LearningRate, Settings, fail, register, setting
+from co2jax.algorithms.registry import register
+from co2jax.algorithms.settings import Guard, LearningRate, Settings, fail, setting
 from co2jax.axes import REPLICA
 from co2jax.comm import all_gather_topk, two_bit
 from co2jax.comm.sparse_quant import AVERAGES, all_gather_topk_quantized

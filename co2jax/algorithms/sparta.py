@@ -20,13 +20,13 @@ import optax
 from co2jax._checks import check_axis_name, check_choice, check_int, check_transform
 from co2jax.algorithms.data_parallel import no_sync
 from co2jax.algorithms.diloco import diloco
+from co2jax.algorithms.registry import register
 from co2jax.algorithms.settings import (
     Fused,
     Guard,
     OuterStep,
     Settings,
     fail,
-    register,
     setting,
 )
 from co2jax.axes import REPLICA, axis_size

@@ -40,12 +40,12 @@ import jax.numpy as jnp
 import optax
 
 from co2jax._checks import check_axis_name, check_int, check_transform, check_unit_interval
+from co2jax.algorithms.registry import register
 from co2jax.algorithms.settings import (
     Compression,
     Fragmented,
     OuterStep,
     Settings,
-    register,
     setting,
 )
 from co2jax.axes import REPLICA
