@@ -20,11 +20,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-import co2jax
 from co2jax.algorithms import registry
-from co2jax.engines import jobstate
 from co2jax.engines.walk import round_seconds, walk
 from co2jax.protocol import Transfer, resolve
 
@@ -154,21 +151,16 @@ class Link:
 @functools.cache
 def _plan(algorithm: str, H: int, fragments: int, tau: int, group_size: int, R: int):
     """``(transfers, reach, every_step)`` of the registered ``algorithm``: its own resolved
-    schedule (built on stand-in parameters, one leaf per fragment), its reducer's reach, and
-    whether its inner transform communicates every step (traced, nothing run)."""
+    schedule at these settings (built on stand-in parameters, one leaf per fragment), its
+    reducer's reach, and whether its inner transform communicates every step (the
+    registry's derived capability)."""
     leaves = {f"layer{i}": jax.ShapeDtypeStruct((8,), jnp.float32) for i in range(fragments)}
     given = {"fragments": fragments, "tau": tau, "group_size": group_size}
     names = {f.name for f in dataclasses.fields(registry.REGISTRY[algorithm].settings)}
     settings = registry.settings(algorithm, **{k: v for k, v in given.items() if k in names})
     context = registry.Context(H, leaves, 0.1, num_replicas=R)
     outer = registry.build(settings, context)
-    mesh = co2jax.make_mesh(replica=1, data=1, devices=jax.devices()[:1])
-    inner = registry.inner(settings, optax.sgd(0.1, momentum=0.9), 0.1, sync_every=H)
-    try:
-        jobstate.check_inner_is_local(inner, leaves, mesh, co2jax.REPLICA)
-        every_step = False
-    except ValueError:
-        every_step = True
+    every_step = registry.capabilities(algorithm).every_step
     return resolve(outer, H), outer.reducer.reach, every_step
 
 
