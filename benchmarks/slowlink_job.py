@@ -60,7 +60,7 @@ def build(peers, algorithm: str, H: int, seed: int = 0):
     inner = optax.adamw(cfg.inner.learning_rate, b1=cfg.inner.b1, b2=cfg.inner.b2)
     # a job has no replica axis: algorithms that need R (eager updates) are given it
     schedule = lambda t: cfg.inner.learning_rate
-    outer = programs.build_outer(cfg.outer, H, schedule, params, num_replicas=peers.replicas)
+    outer = programs.build_outer(cfg, schedule, params, num_replicas=peers.replicas)
     return loss_fn, inner, outer, params, streams, H
 
 

@@ -88,28 +88,24 @@ class Run(NamedTuple):
     schedule: Any
 
 
-def build_outer(
-    o: registry.Settings,
-    sync_every: int,
-    schedule,
-    params=None,
-    num_replicas=None,
-    rounds: int | None = None,
-):
-    """The outer algorithm ``o`` names (its settings, validated where the config was loaded:
-    :mod:`co2jax.algorithms.registry`).
+def _fragmenter(params, count):
+    """Streaming DiLoCo's fragments: strided over the transformer blocks, embeddings in
+    fragment 0, the rest last."""
+    return make_fragments(params, count, layers=r"blocks/(\d+)/", assign={r"^(?!embed)": count - 1})
 
-    ``params`` (the model's parameters or their shapes) is needed for Streaming DiLoCo's
-    fragments: strided over the transformer blocks, embeddings in fragment 0, the rest last.
-    """
 
-    def fragmenter(params, count):
-        return make_fragments(
-            params, count, layers=r"blocks/(\d+)/", assign={r"^(?!embed)": count - 1}
-        )
+def context(cfg: config_lib.Config, schedule, params=None, num_replicas=None) -> registry.Context:
+    """The one context ``cfg``'s algorithm is built from: H, the rounds, the inner schedule,
+    the parameters (or their shapes: the fragments) and, for a driver with no replica axis,
+    the replicas."""
+    t = cfg.train
+    return registry.Context(t.sync_every, params, schedule, num_replicas, _fragmenter, t.rounds)
 
-    context = registry.Context(sync_every, params, schedule, num_replicas, fragmenter, rounds)
-    return registry.build(o, context)
+
+def build_outer(cfg: config_lib.Config, schedule, params=None, num_replicas=None):
+    """The outer algorithm ``cfg.outer`` names (its settings, validated where the config was
+    loaded: :mod:`co2jax.algorithms.registry`)."""
+    return registry.build(cfg.outer, context(cfg, schedule, params, num_replicas))
 
 
 class _Programs(NamedTuple):
@@ -263,13 +259,12 @@ def build_trainer(cfg: config_lib.Config, mesh, graphdef, params) -> tuple[Any, 
     loss_fn = model_lib.make_loss_fn(graphdef)
 
     schedule = inner_lib.schedule(i, t.rounds * t.sync_every)
-    inner = inner_lib.optimizer(i, schedule)
-    inner = registry.inner(
-        cfg.outer, inner, schedule, cfg.train.sync_every
-    )  # DDP averages gradients; DeMo replaces it
-    outer = build_outer(cfg.outer, t.sync_every, schedule, params, rounds=t.rounds)
+    # both sides from one context (DDP averages the inner gradients; DeMo replaces AdamW)
+    inner, outer = registry.optimizers(
+        cfg.outer, context(cfg, schedule, params), inner_lib.optimizer(i, schedule)
+    )
     # Pallas' interpreter is not typed for shard_map's varying-axis check (docs/kernels.md)
-    check_vma = getattr(cfg.outer, "implementation", "auto") != "interpret"
+    check_vma = cfg.outer.kernel_implementation() != "interpret"
     layout = dict(  # TP: mesh.model
         shard_outer_state=t.shard_outer_state,
         fsdp=t.fsdp,

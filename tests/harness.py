@@ -80,7 +80,8 @@ def registered(name: str, problem: Problem, lr: float, H: int, **overrides):
     params = jax.tree.map(lambda x: x[0], initial_params(problem))
     context = registry.Context(H, params, lr, num_replicas=problem.replicas)
     transform = INNER.get(name, INNER.get(algorithm, optax.sgd))(lr)
-    return registry.build(settings, context), registry.inner(settings, transform, lr, H)
+    inner, outer = registry.optimizers(settings, context, transform)
+    return outer, inner
 
 
 def syncs_per_round(outer) -> bool:

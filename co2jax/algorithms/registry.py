@@ -146,6 +146,7 @@ __all__ = [
     "build",
     "capabilities",
     "inner",
+    "optimizers",
     "settings",
     "register",
     "unknown",
@@ -192,6 +193,24 @@ def inner(
     ``learning_rate``, a number or a schedule of the inner step)."""
     wrap = REGISTRY[s.algorithm].inner
     return transform if wrap is None else wrap(transform, s, learning_rate, sync_every=sync_every)
+
+
+def optimizers(
+    s: Settings, context: Context, transform: optax.GradientTransformation
+) -> tuple[optax.GradientTransformation, OuterOptimizer]:
+    """``(inner, outer)``: both sides of ``s``'s algorithm from one context, which carries H,
+    the rounds, the replicas, the parameters and the inner learning rate once: the inner
+    transform :func:`inner` makes of ``transform`` and the outer optimizer :func:`build`
+    makes. What a driver runs.
+
+    Example:
+      >>> import optax
+      >>> inner_tx, outer = optimizers(settings("ddp"), Context(8), optax.sgd(0.1))
+      >>> outer.schedule  # DDP: its gradients are averaged in the inner transform
+      ()
+    """
+    wrapped = inner(s, transform, context.inner_learning_rate, context.sync_every)
+    return wrapped, build(s, context)
 
 
 class Capabilities(NamedTuple):

@@ -123,6 +123,12 @@ class Settings:
         """The outer optimizer (``reduce``: the compressed reducer, or ``None``)."""
         raise NotImplementedError(f"{type(self).__name__} builds nothing")
 
+    def kernel_implementation(self) -> str:
+        """The fused kernels' implementation these settings ask for: ``"auto"`` unless the
+        algorithm has the :class:`Fused` piece (which says it). One piece reads another's
+        choice through this method, not by a field's name."""
+        return self.implementation if isinstance(self, Fused) else "auto"
+
     def metrics(self, state: Any) -> dict[str, Any]:
         """What a run records of this class's part of the algorithm's state each round
         (each piece and each algorithm defines its own; :meth:`recorded` merges them)."""
@@ -225,7 +231,7 @@ class OuterStep(StepSize):
         if not 0 <= self.beta2 < 1:
             fail("beta2", self.beta2, "must be in [0, 1)")
         self.unless("beta2", self.optimizer == "adam", "outer.optimizer is 'adam'")
-        implementation = getattr(self, "implementation", "auto")
+        implementation = self.kernel_implementation()
         if self.lr_in_state and implementation in ("pallas", "interpret"):
             why = "outer hyper-parameters held in the state are not fused"
             fail("lr_in_state", self.lr_in_state, f"{why} (implementation={implementation!r})")
@@ -295,7 +301,7 @@ class Compression:
             return None
         kernels = {}
         if self.compression in ("int8", "fp4", "2bit"):
-            kernels = {"implementation": getattr(self, "implementation", "auto")}
+            kernels = {"implementation": self.kernel_implementation()}
         codec = make(self.compression, **kernels)
         collective = {"all_gather": all_gather_compressed, "two_step": all_reduce_compressed}
         return collective[self.collective](codec)
