@@ -276,7 +276,15 @@ def chunk_steps(t: Transfer) -> list[int]:
     return [t.send + c for c in range(t.chunks)]
 
 
-_PHASE = {"sync": 0, "apply": 0, "send": 1, "chunk": 2}
+PHASE = {"sync": 0, "apply": 0, "send": 1, "chunk": 2}
+"""The one phase table: at a boundary, the transfers applied there run first, then those sent
+there, then the chunks due (every driver's walk orders its actions by :func:`action_key`)."""
+
+
+def action_key(a: Action) -> tuple[int, int, int]:
+    """Where ``a`` runs among the actions of its boundary: by :data:`PHASE`, then by transfer,
+    then by chunk."""
+    return PHASE[a.kind], a.transfer, a.chunk
 
 
 def plan(transfers: tuple[Transfer, ...]) -> list[Action]:
@@ -292,7 +300,7 @@ def plan(transfers: tuple[Transfer, ...]) -> list[Action]:
         for c, step in enumerate(chunk_steps(t)[1:], start=1):
             actions.append(Action(step, "chunk", i, c))
         actions.append(Action(t.apply, "apply", i))
-    return sorted(actions, key=lambda a: (a.at, _PHASE[a.kind]))
+    return sorted(actions, key=lambda a: (a.at, *action_key(a)))
 
 
 def spread(transfers: tuple[Transfer, ...], chunks=None) -> tuple[Transfer, ...]:

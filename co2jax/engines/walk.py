@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, NamedTuple, Protocol
 
-from co2jax.protocol import Action, Transfer, plan
+from co2jax.protocol import Action, Transfer, action_key, plan
 
 
 class Segment(NamedTuple):
@@ -118,11 +118,8 @@ def walk(transfers: tuple[Transfer, ...], steps: int, chunks_in_steps: bool = Tr
     return Walk(steps, tuple(transfers), tuple(segments), tuple(_ordered(by_step.get(steps, []))))
 
 
-_PHASE = {"sync": 0, "apply": 0, "send": 1, "chunk": 2}
-
-
 def _ordered(actions: list[Action]) -> list[Action]:
-    return sorted(actions, key=lambda a: (_PHASE[a.kind], a.transfer, a.chunk))
+    return sorted(actions, key=action_key)
 
 
 class Driver(Protocol):
