@@ -222,10 +222,9 @@ class OuterOptimizer(NamedTuple):
                     f"transfer {i} of this outer optimizer is sent or applied during the round "
                     f"({t}); run it with co2jax.RoundTrainer or co2jax.local_updates"
                 )
-        for i in range(len(self.schedule)):
-            payload, state = self.send(params, state, i)
-            params, state = self.apply(params, state, i, self.reducer(payload))
-        return params, state
+        # the round's actions in plan order (a payload sent at step 0 first, then every
+        # apply), through the one executor; no inner step runs between them here
+        return act(_RoundSync(self), (params, state), plan(resolve(self, self.period or 1)))
 
 
 def payload_shapes(outer: OuterOptimizer, params: Params, state: State, i: int) -> Any:
@@ -301,6 +300,41 @@ def plan(transfers: tuple[Transfer, ...]) -> list[Action]:
             actions.append(Action(step, "chunk", i, c))
         actions.append(Action(t.apply, "apply", i))
     return sorted(actions, key=lambda a: (a.at, *action_key(a)))
+
+
+def act(driver: Any, carry: Any, actions: tuple[Action, ...] | list[Action]) -> Any:
+    """The one executor of a schedule's actions: runs ``actions`` in order through
+    ``driver`` (its ``send(carry, i)``, ``chunk(carry, i, c)`` and ``apply(carry, i)``); a
+    ``sync`` is a send then an apply of the same transfer. Every driver runs its actions
+    here: the round engine and separate jobs through :func:`co2jax.engines.walk.run`, the
+    per-step adapter one boundary at a time, :meth:`OuterOptimizer.sync` a whole round."""
+    for a in actions:
+        if a.kind in ("sync", "send"):
+            carry = driver.send(carry, a.transfer)
+        if a.kind == "chunk":
+            carry = driver.chunk(carry, a.transfer, a.chunk)
+        if a.kind in ("sync", "apply"):
+            carry = driver.apply(carry, a.transfer)
+    return carry
+
+
+class _RoundSync:
+    """:meth:`OuterOptimizer.sync`'s driver: each transfer reduced at its send and applied
+    at its apply; the carry is ``(params, state)``."""
+
+    def __init__(self, outer: OuterOptimizer):
+        self.outer, self.reduced = outer, {}
+
+    def send(self, carry, i):
+        payload, state = self.outer.send(carry[0], carry[1], i)
+        self.reduced[i] = self.outer.reducer(payload)
+        return carry[0], state
+
+    def chunk(self, carry, i, c):  # a round-level sync sends every transfer whole
+        raise AssertionError(f"transfer {i} in chunks in a round-level sync")
+
+    def apply(self, carry, i):
+        return self.outer.apply(carry[0], carry[1], i, self.reduced.pop(i))
 
 
 def spread(transfers: tuple[Transfer, ...], chunks=None) -> tuple[Transfer, ...]:

@@ -13,8 +13,15 @@ from co2jax._checks import check_int, check_transform
 from co2jax.algorithms.gpa import check_inner_under_outer
 from co2jax.comm import chunks
 from co2jax.comm.reducer import Reducer, as_reducer, values
-from co2jax.engines.walk import act, walk
-from co2jax.protocol import OuterOptimizer, Transfer, chunk_steps, payload_shapes, resolve
+from co2jax.engines.walk import walk
+from co2jax.protocol import (
+    OuterOptimizer,
+    Transfer,
+    act,
+    chunk_steps,
+    payload_shapes,
+    resolve,
+)
 from co2jax.protocol import spread as spread_schedule
 from co2jax.tree import tree_all_finite, tree_select
 
@@ -179,7 +186,7 @@ class _Carry(NamedTuple):
 
 
 class _Driver:
-    """The adapter's send, chunk and apply (what :func:`co2jax.engines.walk.act` runs); its
+    """The adapter's send, chunk and apply (what :func:`co2jax.protocol.act` runs); its
     steps are the optax loop's, one per call."""
 
     def __init__(self, outer: OuterOptimizer, run: tuple, reducer: Reducer, shapes: list):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, NamedTuple, Protocol
 
-from co2jax.protocol import Action, Transfer, action_key, plan
+from co2jax.protocol import Action, Transfer, act, action_key, plan
 
 
 class Segment(NamedTuple):
@@ -132,19 +132,6 @@ class Driver(Protocol):
     def apply(self, carry: Any, i: int) -> Any: ...
 
     def segment(self, carry: Any, segment: Segment) -> Any: ...
-
-
-def act(driver: Driver, carry: Any, actions: tuple[Action, ...]) -> Any:
-    """Runs ``actions`` (one boundary's) through ``driver``: a ``sync`` is a send then an
-    apply of the same transfer."""
-    for a in actions:
-        if a.kind in ("sync", "send"):
-            carry = driver.send(carry, a.transfer)
-        if a.kind == "chunk":
-            carry = driver.chunk(carry, a.transfer, a.chunk)
-        if a.kind in ("sync", "apply"):
-            carry = driver.apply(carry, a.transfer)
-    return carry
 
 
 def run(w: Walk, driver: Driver, carry: Any) -> Any:
