@@ -149,6 +149,10 @@ def shard_round(outer, inner, mesh, H, check_vma=True):
 
 
 def place(tree, mesh, spec):
+    """``tree`` on ``mesh`` as ``replica_map``'s results lie (its data and model axes Auto:
+    ``co2jax.mesh.compiler_sharded``), so a second call of a mapped step or round runs the
+    program the first one compiled."""
+    mesh = co2jax.mesh.compiler_sharded(mesh)
     return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec)), tree)
 
 

@@ -82,7 +82,9 @@ def mesh_for(layout: str):
 
 
 def place(tree, mesh, specs):
-    """Per-replica specs with the leading replica axis, as the engine lays its state."""
+    """Per-replica specs with the leading replica axis, as the engine lays its state (on the
+    mesh ``replica_map``'s results lie on: its data and model axes Auto)."""
+    mesh = co2jax.mesh.compiler_sharded(mesh)
     return jax.tree.map(
         lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, full_spec(s, x.ndim - 1))),
         tree,
