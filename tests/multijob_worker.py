@@ -41,7 +41,11 @@ def problem():
     return tb.make_problem(replicas=REPLICAS, examples=2, dim=DIM, seed=5)
 
 
-def main(rank: str, addresses: str, out_dir: str, mode: str = "run") -> None:
+def main(rank: str, addresses: str, out_dir: str, mode: str = "run", names: str = "") -> None:
+    """Rank ``rank``'s job: in mode "run" it trains each of ``names`` (comma-separated;
+    default every one of :func:`algorithms`) for ROUNDS rounds and saves its parameters;
+    "wait" and "die" run the first algorithm only, waiting briefly for a missing peer or
+    exiting after one round."""
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DATA_DEVICES}"
     here = os.path.dirname(os.path.abspath(__file__))
@@ -60,7 +64,7 @@ def main(rank: str, addresses: str, out_dir: str, mode: str = "run") -> None:
     prob = problem()
     batch = {k: v[rank] for k, v in textbook_batch(prob, H).items()}
     mesh = co2jax.make_mesh(replica=1, data=DATA_DEVICES)
-    names = algorithms()[:1] if mode != "run" else algorithms()
+    names = names.split(",") if names else (algorithms()[:1] if mode != "run" else algorithms())
     for step, name in enumerate(names):
         # each algorithm gets its own ports: a transfer server lives as long as the process
         ports = [a.rpartition(":") for a in addresses.split(",")]

@@ -14,18 +14,40 @@ from conftest import function_of, read_budget
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@functools.cache  # the tests below share collections (each takes seconds)
-def _collected(markexpr: str | None) -> frozenset[str]:
-    """Node ids collected under ``-m markexpr`` (``None``: no -m, every test)."""
-    select = [] if markexpr is None else ["-m", markexpr]
+_PROBE = """
+import sys, pytest
+class Probe:
+    def pytest_collection_finish(self, session):
+        for item in session.items:
+            print(("slow " if "slow" in item.keywords else "default ") + item.nodeid)
+sys.exit(pytest.main(["--collect-only", "-q", "-m", "slow or not slow"], plugins=[Probe()]))
+"""
+
+
+@functools.cache  # one collection for every test below (each takes seconds)
+def _sides() -> dict[str, frozenset[str]]:
+    """Every collected node id by the side it runs on: ``slow`` (``-m slow``) or
+    ``default`` (the README's command)."""
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", *select],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
+        [sys.executable, "-c", _PROBE], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
-    return frozenset(line for line in out.splitlines() if "::" in line)
+    sides = {"slow": set(), "default": set()}
+    for line in out.splitlines():
+        side, _, node = line.partition(" ")
+        if side in sides and "::" in node:
+            sides[side].add(node)
+    return {k: frozenset(v) for k, v in sides.items()}
+
+
+def _collected(markexpr: str | None) -> frozenset[str]:
+    """Node ids collected under ``-m markexpr`` (``None``: no -m, every test): "slow",
+    "not slow" or a ``-m slow and X`` / ``not slow and X`` split of them by file keyword."""
+    sides = _sides()
+    if markexpr is None:
+        return sides["slow"] | sides["default"]
+    if markexpr in ("slow", "not slow"):
+        return sides["slow" if markexpr == "slow" else "default"]
+    raise ValueError(f"no collection for -m {markexpr!r}")
 
 
 def test_every_budget_name_is_a_test_and_lands_on_its_side():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -116,13 +117,24 @@ def test_every_algorithm_runs_two_rounds(algorithm, tmp_path):
     assert (tmp_path / "micro" / "config.json").exists()
 
 
-@pytest.mark.parametrize("algorithm", ["diloco", "co2"])
-def test_resume_is_bitwise_identical(algorithm, tmp_path):
+@pytest.mark.parametrize(
+    "algorithm, programs_of",
+    [("diloco", "each_run"), ("co2", "each_run"), ("co2", "shared")],
+    ids=["diloco", "co2", "co2-shared_programs"],
+)
+def test_resume_is_bitwise_identical(algorithm, programs_of, tmp_path):
     """4 rounds straight == 2 rounds, stop, resume for 2 more (delayed CO2 included).
 
     Checkpoints are taken at round boundaries, so a kill anywhere inside round 3 resumes the
-    same way: from the round-2 checkpoint, repeating round 3.
+    same way: from the round-2 checkpoint, repeating round 3. ``each_run``: every run
+    compiles its own programs, as separate processes do; ``shared``: the three runs share one
+    compiled round (``programs.shared_programs``), the state restored into it.
     """
+    with programs.shared_programs() if programs_of == "shared" else contextlib.nullcontext():
+        _resume_is_bitwise_identical(algorithm, tmp_path)
+
+
+def _resume_is_bitwise_identical(algorithm, tmp_path):
     common = [f"outer.algorithm={algorithm}", "train.rounds=4", "checkpoint.every=1"]
     if algorithm == "co2":
         common += ["outer.momentum=0.5", "outer.penalty=gap_aware", "outer.clip_threshold=0.05"]
@@ -443,9 +455,10 @@ def test_tensor_parallel_and_fsdp_halve_the_parameters_and_keep_the_loss(layout)
         run = programs.build(cfg)
         state = run.trainer.init(run.params)
         batch = run.streams.round_batch(0)
-        compiled = run.trainer.lower(state, run.trainer.place_batch(batch)).compile()
+        placed = run.trainer.place_batch(batch)
+        compiled = run.trainer.lower(state, placed).compile()
         bytes_in = compiled.memory_analysis().argument_size_in_bytes
-        state, metrics = run.trainer.round(state, batch)
+        state, metrics = compiled(state, placed)  # the round, run by the program measured
         return nbytes_per_device(state.params), bytes_in, np.asarray(metrics.loss)
 
     whole, whole_in, want = first_round([])

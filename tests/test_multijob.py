@@ -32,9 +32,9 @@ def test_port_blocks_are_free_disjoint_and_below_the_ephemeral_range():
     assert not (spans[0] & spans[1] or spans[0] & spans[2] or spans[1] & spans[2])
 
 
-def launch(out_dir: Path, modes: dict[int, str]) -> dict[int, int]:
-    """Starts one worker per rank in ``modes``; returns their exit codes (killed at the
-    deadline: a test never hangs)."""
+def launch(out_dir: Path, modes: dict[int, str], names: tuple[str, ...] = ()) -> dict[int, int]:
+    """Starts one worker per rank in ``modes`` (training ``names``, default every algorithm);
+    returns their exit codes (killed at the deadline: a test never hangs)."""
     blocks = harness.free_port_blocks(worker.REPLICAS, len(worker.algorithms()))
     addresses = ",".join(f"127.0.0.1:{p}" for p in blocks)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
@@ -48,10 +48,9 @@ def launch(out_dir: Path, modes: dict[int, str]) -> dict[int, int]:
                         str(TESTS / "multijob_worker.py"),
                         str(rank),
                         addresses,
-                        *(
-                            str(out_dir),
-                            mode,
-                        ),
+                        str(out_dir),
+                        mode,
+                        ",".join(names),
                     ],
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -75,9 +74,17 @@ def _logs(out_dir: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(request, tmp_path_factory):
+    """The jobs' trajectories of the algorithms whose cases of
+    :func:`test_jobs_equal_the_spmd_engine` this session runs (the workers train those only)."""
+    names = tuple(
+        item.callspec.params["name"]
+        for item in request.session.items
+        if item.originalname == "test_jobs_equal_the_spmd_engine"
+        and not item.get_closest_marker("skip")
+    )
     out_dir = tmp_path_factory.mktemp("multijob")
-    codes = launch(out_dir, {r: "run" for r in range(worker.REPLICAS)})
+    codes = launch(out_dir, {r: "run" for r in range(worker.REPLICAS)}, names)
     if set(codes.values()) != {0}:
         pytest.fail(f"workers exited with {codes}\n{_logs(out_dir)}")
     return out_dir
