@@ -213,6 +213,7 @@ def test_digest_sees_one_flipped_bit():
 def test_a_signal_stops_at_the_round_boundary_with_a_checkpoint(signum, tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, "train.rounds=4", "checkpoint.every=10")
     real = train.build_validated  # the run's build, after its one validation
+    calls_of = []
 
     def build(cfg):
         run = real(cfg)
@@ -225,19 +226,24 @@ def test_a_signal_stops_at_the_round_boundary_with_a_checkpoint(signum, tmp_path
                 os.kill(os.getpid(), signum)
             return step(state, batch)
 
-        run.trainer.round = round_
+        if not calls_of:  # the first build's trainer (a shared one is built once)
+            run.trainer.round = round_
+            calls_of.append(run.trainer)
         return run
 
     monkeypatch.setattr(train, "build_validated", build)
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    with pytest.raises(train.Interrupted) as caught:
-        train.train(cfg)
-    assert caught.value.rounds == 2 and caught.value.saved == 2
-    assert checkpoints.Checkpoints(tmp_path / "ckpt", 2).steps() == [2]
-    # restored to what they were (SIG_IGN for SIGINT in a shell's background job)
-    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
-    monkeypatch.setattr(train, "build_validated", real)
-    resumed = train.train(cfg, resume=True)
+    from experiments import programs
+
+    with programs.shared_programs():  # the resumed run's round compiled once
+        with pytest.raises(train.Interrupted) as caught:
+            train.train(cfg)
+        assert caught.value.rounds == 2 and caught.value.saved == 2
+        assert checkpoints.Checkpoints(tmp_path / "ckpt", 2).steps() == [2]
+        # restored to what they were (SIG_IGN for SIGINT in a shell's background job)
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+        monkeypatch.setattr(train, "build_validated", real)
+        resumed = train.train(cfg, resume=True)
     assert [r["round"] for r in resumed.history] == [3, 4]
 
 
