@@ -149,11 +149,14 @@ def shard_round(outer, inner, mesh, H, check_vma=True):
 
 
 def place(tree, mesh, spec):
+    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec)), tree)
+
+
+def place_mapped(tree, mesh, spec):
     """``tree`` on ``mesh`` as ``replica_map``'s results lie (its data and model axes Auto:
     ``co2jax.mesh.compiler_sharded``), so a second call of a mapped step or round runs the
     program the first one compiled."""
-    mesh = co2jax.mesh.compiler_sharded(mesh)
-    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec)), tree)
+    return place(tree, co2jax.mesh.compiler_sharded(mesh), spec)
 
 
 def run_shard_map(
@@ -164,9 +167,9 @@ def run_shard_map(
     state = jax.vmap(outer.init)(params)
     inner_state = jax.vmap(inner.init)(params)
     rep = P("replica")
-    params, state, inner_state = (place(x, mesh, rep) for x in (params, state, inner_state))
-    d = place(jnp.asarray(problem.d, dtype), mesh, rep)
-    c = place(jnp.asarray(problem.c, dtype), mesh, P("replica", "data"))
+    params, state, inner_state = (place_mapped(x, mesh, rep) for x in (params, state, inner_state))
+    d = place_mapped(jnp.asarray(problem.d, dtype), mesh, rep)
+    c = place_mapped(jnp.asarray(problem.c, dtype), mesh, P("replica", "data"))
     round_fn = shard_round(outer, inner, mesh, H, check_vma)
     out = []
     for _ in range(rounds):
@@ -207,12 +210,12 @@ def shard_step_args(tx, problem: Problem, mesh):
     """Placed (params, state, d, c) for :func:`shard_step`, every replica at theta0."""
     rep = P("replica")
     params = initial_params(problem)
-    state = place(jax.vmap(tx.init)(params), mesh, rep)
+    state = place_mapped(jax.vmap(tx.init)(params), mesh, rep)
     return (
-        place(params, mesh, rep),
+        place_mapped(params, mesh, rep),
         state,
-        place(jnp.asarray(problem.d), mesh, rep),
-        place(jnp.asarray(problem.c), mesh, P("replica", "data")),
+        place_mapped(jnp.asarray(problem.d), mesh, rep),
+        place_mapped(jnp.asarray(problem.c), mesh, P("replica", "data")),
     )
 
 

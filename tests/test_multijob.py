@@ -80,7 +80,7 @@ def results(request, tmp_path_factory):
     names = tuple(
         item.callspec.params["name"]
         for item in request.session.items
-        if item.originalname == "test_jobs_equal_the_spmd_engine"
+        if getattr(item, "originalname", None) == "test_jobs_equal_the_spmd_engine"
         and not item.get_closest_marker("skip")
     )
     out_dir = tmp_path_factory.mktemp("multijob")
