@@ -3,6 +3,7 @@ its slow tests and the cases its grids do not keep run with -m slow only, and th
 run by default."""
 
 import functools
+import itertools
 import re
 import subprocess
 import sys
@@ -19,35 +20,40 @@ import sys, pytest
 class Probe:
     def pytest_collection_finish(self, session):
         for item in session.items:
-            print(("slow " if "slow" in item.keywords else "default ") + item.nodeid)
+            marks = [m for m in ("slow", "processes") if m in item.keywords]
+            print(",".join(marks or ["-"]), item.nodeid)
 sys.exit(pytest.main(["--collect-only", "-q", "-m", "slow or not slow"], plugins=[Probe()]))
 """
+MARKS = ("slow", "processes")  # the marks .ci/run's -m expressions select on
 
 
 @functools.cache  # one collection for every test below (each takes seconds)
-def _sides() -> dict[str, frozenset[str]]:
-    """Every collected node id by the side it runs on: ``slow`` (``-m slow``) or
-    ``default`` (the README's command)."""
+def _marks() -> dict[str, frozenset[str]]:
+    """Every collected node id with the marks among :data:`MARKS` it carries."""
     out = subprocess.run(
         [sys.executable, "-c", _PROBE], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
-    sides = {"slow": set(), "default": set()}
+    marks = {}
     for line in out.splitlines():
-        side, _, node = line.partition(" ")
-        if side in sides and "::" in node:
-            sides[side].add(node)
-    return {k: frozenset(v) for k, v in sides.items()}
+        names, _, node = line.partition(" ")
+        if "::" in node:
+            marks[node] = frozenset(names.split(",")) - {"-"}
+    return marks
 
 
 def _collected(markexpr: str | None) -> frozenset[str]:
-    """Node ids collected under ``-m markexpr`` (``None``: no -m, every test): "slow",
-    "not slow" or a ``-m slow and X`` / ``not slow and X`` split of them by file keyword."""
-    sides = _sides()
+    """Node ids ``pytest -m markexpr`` runs (``None``: no -m, every test); ``markexpr`` is a
+    boolean expression over :data:`MARKS`, as pytest reads it."""
     if markexpr is None:
-        return sides["slow"] | sides["default"]
-    if markexpr in ("slow", "not slow"):
-        return sides["slow" if markexpr == "slow" else "default"]
-    raise ValueError(f"no collection for -m {markexpr!r}")
+        return frozenset(_marks())
+    code = compile(markexpr, "-m", "eval")
+    unknown = set(code.co_names) - set(MARKS)
+    assert not unknown, f"-m {markexpr!r} selects on marks this check does not read: {unknown}"
+    return frozenset(
+        node
+        for node, marks in _marks().items()
+        if eval(code, {"__builtins__": {}}, {m: m in marks for m in MARKS})
+    )
 
 
 def test_every_budget_name_is_a_test_and_lands_on_its_side():
@@ -96,10 +102,14 @@ def test_ci_runs_every_test_and_every_inherited_check_of_every_algorithm():
     from co2jax.algorithms import registry
 
     exprs = _ci_markexprs()
-    assert "not slow" in exprs and "slow" in exprs, exprs
-    ran = set().union(*(_collected(e) for e in exprs))
+    assert exprs[0] == "not slow" and len(exprs) >= 2, exprs
+    runs = [_collected(e) for e in exprs]
+    ran = set().union(*runs)
     everything = _collected(None)
     assert everything <= ran, sorted(everything - ran)[:10]
+    for i, (a, b) in enumerate(itertools.combinations(runs, 2)):  # no test runs twice
+        assert not a & b, (i, sorted(a & b)[:5])
+    assert _collected("slow") == ran - runs[0]  # the later runs: exactly the slow tests
     cases: dict[str, dict[str, set[str]]] = {}  # test -> algorithm -> its cases
     for node in everything:
         params = node.partition("[")[2].rstrip("]").split("-")

@@ -29,6 +29,10 @@ from test_engine import run_engine
 import co2jax
 import co2jax.distributed
 
+# processes: each runs or kills processes under deadlines (.ci/run runs the slow ones
+# in one pytest process, with nothing beside them)
+pytestmark = pytest.mark.processes
+
 TOL = harness.TOL[jnp.dtype(jnp.float32)]
 PROCESSES, TIMEOUT_S = 2, 180
 TESTS = Path(__file__).resolve().parent

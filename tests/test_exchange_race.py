@@ -12,9 +12,14 @@ import threading
 import types
 
 import numpy as np
+import pytest
 
 from co2jax.engines.exchange import Pending
 from co2jax.engines.multijob import JobTrainer
+
+# processes: each runs or kills processes under deadlines (.ci/run runs the slow ones
+# in one pytest process, with nothing beside them)
+pytestmark = pytest.mark.processes
 
 PEERS = 20_000
 

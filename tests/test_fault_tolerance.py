@@ -26,6 +26,10 @@ from test_engine import engine_loss, textbook_batch
 import co2jax
 from co2jax.engines import jobstate
 
+# processes: each runs or kills processes under deadlines (.ci/run runs the slow ones
+# in one pytest process, with nothing beside them)
+pytestmark = pytest.mark.processes
+
 TESTS = Path(__file__).parent
 DEADLINE_S = 180
 

@@ -9,6 +9,10 @@ import pytest
 
 from benchmarks import goodput
 
+# processes: each runs or kills processes under deadlines (.ci/run runs the slow ones
+# in one pytest process, with nothing beside them)
+pytestmark = pytest.mark.processes
+
 
 @pytest.mark.slow  # 6 processes, about a minute
 def test_a_killed_coordinator_rejoins_and_the_anchors_agree(tmp_path):

@@ -21,6 +21,10 @@ from test_engine import engine_loss, textbook_batch
 
 import co2jax
 
+# processes: each runs or kills processes under deadlines (.ci/run runs the slow ones
+# in one pytest process, with nothing beside them)
+pytestmark = pytest.mark.processes
+
 TESTS = Path(__file__).parent
 TIMEOUT_S = 240
 

@@ -13,13 +13,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(os, "geteuid")
-    or os.geteuid() != 0
-    or shutil.which("ip") is None
-    or shutil.which("tc") is None,
-    reason="the testbed needs root, ip and tc",
-)
+pytestmark = [
+    pytest.mark.processes,
+    pytest.mark.skipif(
+        not hasattr(os, "geteuid")
+        or os.geteuid() != 0
+        or shutil.which("ip") is None
+        or shutil.which("tc") is None,
+        reason="the testbed needs root, ip and tc",
+    ),
+]
 
 
 def _namespaces() -> list[str]:
