@@ -29,6 +29,7 @@ def _adapter_run(tx, problem, steps):
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.cases("first", 3)
 def test_adapter_equals_round_sync(case, problem):
     """Adam inner state persists across syncs in both; the trajectories must agree."""
     round_level, _ = harness.run_vmap(case.make(), problem, LR, H, ROUNDS, inner=optax.adam(LR))
@@ -45,6 +46,7 @@ def test_adapter_sgd_matches_textbook(problem):
     np.testing.assert_allclose(got, expected, **TOL)
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_state_types_identical_on_sync_and_non_sync_steps(problem):
     tx = co2jax.local_updates(optax.adam(LR), co2jax.co2(1.0, 0.5), sync_every=2)
     params = harness.initial_params(problem)
@@ -90,6 +92,7 @@ class _MLP(nnx.Module):
         return self.out(jax.nn.tanh(self.hidden(x)))
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_works_inside_nnx_optimizer():
     """Two replicas of a flax model, each with an nnx.Optimizer, vmapped over "replica"."""
     R, sync_every, steps = 2, 2, 6
@@ -149,6 +152,7 @@ DELAYED_IDS = [c.name for c in DELAYED]
 
 @pytest.mark.parametrize("sync_every", [3, 4])
 @pytest.mark.parametrize("case", DELAYED, ids=DELAYED_IDS)
+@pytest.mark.cases("each")
 def test_spread_equals_unspread(case, sync_every, problem):
     """H=4 > the leaf sizes, so chunks are zero-padded (leaf "b" has 2 elements in 4
     chunks of 1)."""
@@ -188,6 +192,7 @@ def _run_shard_step(tx, problem, mesh, steps):
 
 
 @pytest.mark.parametrize("kind", ["pmean", "all_gather", "ring"])
+@pytest.mark.cases("first", 2)
 def test_spread_under_shard_map(kind, problem):
     mesh = harness.make_mesh(replica=4, data=2)
     reduce = co2jax.comm.exact_mean(kind)
@@ -230,6 +235,7 @@ def test_spread_needs_a_delayed_algorithm():
 
 
 @pytest.mark.parametrize("name", co2jax.registry.NAMES)
+@pytest.mark.cases("algorithms", 6)
 def test_a_step_that_donates_params_and_state_runs(name):
     """``jax.jit(step, donate_argnums=(0, 1))``, optax's usual pattern: the adapter's state
     holds no buffer of the parameters (an anchor is its own copy), so nothing is donated

@@ -125,6 +125,7 @@ def problem():
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.cases("first", 11)
 def test_vmap_matches_textbook(case, problem):
     expected = case.textbook(problem)
     got, _ = harness.run_vmap(case.make(), problem, LR, H, ROUNDS)
@@ -133,6 +134,7 @@ def test_vmap_matches_textbook(case, problem):
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.cases("each")
 def test_shard_map_matches_textbook(case, axis_type, problem):
     mesh = harness.make_mesh(replica=4, data=2, axis_type=axis_type)
     expected = case.textbook(problem)

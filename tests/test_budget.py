@@ -1,6 +1,5 @@
-"""The default suite's time budget (tests/budget.txt): every name in it is a collected test,
-its slow tests and the cases its grids do not keep run with -m slow only, and the kept cases
-run by default."""
+"""The default suite's share of the tests (tests/budget.py): its rules do what they say, a new
+algorithm gets its share by registering, and .ci/run runs every test the default leaves out."""
 
 import functools
 import itertools
@@ -9,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import budget
 import pytest
-from conftest import function_of, read_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,29 +55,78 @@ def _collected(markexpr: str | None) -> frozenset[str]:
     )
 
 
-def test_every_budget_name_is_a_test_and_lands_on_its_side():
-    slow, quick = read_budget()
-    default, deliberate = _collected("not slow"), _collected("slow")
-    assert default and deliberate and not default & deliberate
-    by_test = {}
-    for node in default | deliberate:
-        by_test.setdefault(function_of(node), set()).add(node)
-    assert not slow - set(by_test), (
-        f"budget.txt names tests that do not exist: {sorted(slow - set(by_test))}"
+def function_of(node: str) -> str:
+    """A node id without its parametrized case: ``f.py::test_g[a-b]`` -> ``f.py::test_g``."""
+    return node.split("[")[0]
+
+
+def test_each_keeps_every_value_of_every_parameter_and_not_the_whole_grid():
+    grid = [{"a": a, "b": b, "c": c} for a in "xyz" for b in (1, 2) for c in (None, 0.5)]
+    kept = budget.each(grid)
+    for name in ("a", "b", "c"):
+        assert {repr(grid[i][name]) for i in kept} == {repr(g[name]) for g in grid}, name
+    assert len(kept) <= 3 + 2 + 2 - 2 < len(grid) and kept == sorted(
+        kept
+    )  # at most one per new value
+
+
+def test_the_algorithm_rule_runs_one_algorithm_in_n_and_covers_the_rest():
+    order = budget.algorithm_order()
+    grid = [{"name": name, "reducer": r} for name in order for r in ("pmean", "all_gather")]
+    kept = budget.by_algorithm("tests/test_x.py::test_y", grid, 3)
+    shift = budget.offset("tests/test_x.py::test_y", 3)
+    chosen = {grid[i]["name"] for i in kept}
+    assert chosen == {n for p, n in enumerate(order) if (p + shift) % 3 == 0}
+    assert {grid[i]["reducer"] for i in kept} == {"pmean", "all_gather"}
+    # a grid over some algorithms only still runs one of them
+    few = [{"name": n} for n in order[:2]]
+    assert len(budget.by_algorithm("tests/test_x.py::test_z", few, 19)) == 1
+
+
+def test_a_new_algorithm_gets_its_share_by_registering(monkeypatch):
+    """Registering an algorithm (here a name appended to the order) gives it the default
+    cases of one in n of every check it inherits, with no list to edit."""
+    order = (*budget.algorithm_order(), "brand_new")
+    monkeypatch.setattr(budget, "algorithm_order", lambda: order)
+    tests = [f"tests/test_x.py::test_{i}" for i in range(40)]
+    got = sum(
+        "brand_new" in {order[i] for i in budget.by_algorithm(t, [{"a": n} for n in order], 4)}
+        for t in tests
     )
-    assert not quick - default, f"budget.txt keeps cases that do not run: {sorted(quick - default)}"
-    for name in slow:
-        assert by_test[name] <= deliberate, name
-    for grid in {function_of(node) for node in quick}:
-        assert grid not in slow, f"{grid} is both slow and a thinned grid"
-        assert by_test[grid] - quick <= deliberate, grid
+    assert 5 <= got <= 15, got  # about a quarter of the 40
 
 
-def test_a_malformed_budget_line_is_refused_with_its_line(tmp_path):
-    path = tmp_path / "budget.txt"
-    path.write_text("# a comment\n\nslow tests/test_a.py::test_b\nfast tests/test_a.py::test_c\n")
-    with pytest.raises(ValueError, match=r"budget.txt:4: expected 'slow NODE' or 'quick NODE'"):
-        read_budget(path)
+def test_the_matrix_default_cells_follow_its_rule():
+    """Every algorithm in every driver at the whole layout and at every layout by at least
+    one driver; across algorithms, every mesh driver at every split layout."""
+    import test_matrix as m
+
+    default = {c for c in m.CELLS if m.runs_by_default(*c)}
+    for name in m.NAMES:
+        for driver in m.DRIVERS:
+            if (name, driver) not in m.NOT_APPLICABLE:
+                assert (name, driver, "replicated") in default, (name, driver)
+        for layout in m.SPLIT:
+            assert any(c[0] == name and c[2] == layout for c in default), (name, layout)
+    for layout in m.SPLIT:
+        for driver in m.ON_A_MESH:
+            assert any(c[1:] == (driver, layout) for c in default), (driver, layout)
+    assert any(c[2] in m.ENGINE_ONLY for c in default)
+    assert len(default) < len(m.CELLS) * 0.6  # the rest with -m slow
+
+
+def test_a_cases_mark_without_its_count_or_with_another_rule_is_refused():
+    with pytest.raises(ValueError, match=r"rule='most'"):
+        budget.default_cases("t", "most", None, [{"a": 1}])
+
+    class Item:
+        nodeid = "tests/test_x.py::test_y[a]"
+
+        def get_closest_marker(self, name):
+            return pytest.mark.cases("first").mark
+
+    with pytest.raises(ValueError, match=r"test_y\[a\]: cases\('first', n\) needs n >= 1"):
+        budget.rule_of(Item())
 
 
 def _ci_markexprs() -> list[str]:

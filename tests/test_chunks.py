@@ -54,6 +54,7 @@ def _whole(reducer, encoded=False):
 
 @pytest.mark.parametrize("K", [1, 2, 3, 7])
 @pytest.mark.parametrize("name", list(REDUCERS) + list(CLOSE))
+@pytest.mark.cases("first", 9)
 def test_chunks_equal_the_whole(name, K):
     reducer = {**REDUCERS, **CLOSE}[name]()
     payload = _payload()
@@ -72,6 +73,7 @@ def test_chunks_equal_the_whole(name, K):
 
 @pytest.mark.parametrize("K", [1, 3])
 @pytest.mark.parametrize("name", ["int8", "topk_2bit", "topk_float"])
+@pytest.mark.cases("each")
 def test_encoded_chunks_equal_the_whole(name, K):
     """What error feedback sends (the encoding itself), cut along its blocks."""
     reducer = REDUCERS[name]()
@@ -99,6 +101,7 @@ def _rows_payload(R=4, seed=3, lanes=8):
 
 @pytest.mark.parametrize("K", [1, 2, 3, 7])
 @pytest.mark.parametrize("name", ["pmean", "all_gather", "ring"])
+@pytest.mark.cases("first", 4)
 def test_chunks_in_rows_equal_the_whole(name, K):
     """An exact reducer's chunks as ``[rows, lanes]`` blocks (lanes 8 here, 1024 by default):
     row-shaped leaves keep their rows, the rest is packed; the pieces reduce to the whole."""

@@ -93,6 +93,7 @@ CELLS = [
     CELLS,
     ids=[f"{c}-tau{t}-alpha{a}-{d}" for c, t, a, d in CASES_BY_DRIVER],
 )
+@pytest.mark.cases("first", 3)
 def test_matches_textbook(correction, tau, alpha, driver, problem, mesh):
     want, largest = _textbook(problem, correction, tau, alpha)
     # the correction is at work: |c - global| reaches well above the tolerance, and the
@@ -120,6 +121,7 @@ def test_sharded_outer_state_matches_textbook(layout, problem, mesh):
     np.testing.assert_allclose(got, want, **TOL)
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_no_correction_is_streaming_diloco(problem, mesh):
     got = _adapter(_outer("none", 2, 0.5), problem)
     want = _adapter(_streaming(2, 0.5), problem)

@@ -36,6 +36,7 @@ def mesh():
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.cases("first", 9)
 def test_one_sync_reduces_one_payload_over_the_replica_axis(case, mesh):
     problem = tb.make_problem()
     inner, outer = optax.sgd(0.1), case.make()

@@ -46,6 +46,7 @@ def _step_bound(name, x):
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.cases("first", 8)
 def test_roundtrip_within_the_quantization_step(name, n):
     codec = CODECS[name]
     rng = np.random.default_rng(n)
@@ -69,6 +70,7 @@ def test_roundtrip_within_the_quantization_step(name, n):
 
 
 @pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.cases("first", 5)
 def test_idempotent(name):
     """C(D(C(x))) == C(x): error feedback's sent value crosses the collective unchanged."""
     codec = CODECS[name]
@@ -79,6 +81,7 @@ def test_idempotent(name):
 
 
 @pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.cases("first", 4)
 def test_all_zero_and_non_finite_blocks(name):
     codec = CODECS[name]
     np.testing.assert_array_equal(codec.roundtrip(jnp.zeros(130)), 0.0)
@@ -87,6 +90,7 @@ def test_all_zero_and_non_finite_blocks(name):
     assert not np.isfinite(got).all(), "a NaN must not disappear"
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_wire_bytes_are_the_encoded_bytes():
     for name, codec in CODECS.items():
         for n in SIZES:
@@ -100,6 +104,7 @@ def test_wire_bytes_are_the_encoded_bytes():
 
 
 @pytest.mark.parametrize("name", ["int8", "fp4", "topk_2bit"])
+@pytest.mark.cases("first", 2)
 def test_compressed_collective_is_the_mean_of_the_decoded_payloads(name):
     codec = CODECS[name]
     rng = np.random.default_rng(1)
@@ -163,6 +168,7 @@ def _two_step_reference(codec, payload):
 
 @pytest.mark.parametrize("name", ["none", "int8", "fp4", "2bit", "topk_2bit"])
 @pytest.mark.parametrize("n", [5, 257])
+@pytest.mark.cases("each")
 def test_two_step_collective_is_the_requantized_mean(name, n):
     codec = CODECS[name]
     rng = np.random.default_rng(2)

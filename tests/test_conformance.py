@@ -86,6 +86,7 @@ def _global_loss(problem, theta):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.cases("first", 7)
 def test_converges_on_heterogeneous_quadratic(name):
     problem = _problem()
     outer, inner = ALGORITHMS[name](problem, 0.1)
@@ -100,6 +101,7 @@ def test_converges_on_heterogeneous_quadratic(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.cases("first", 3)
 def test_bf16_stays_bf16(name):
     problem = _problem(seed=8)
     outer, inner = ALGORITHMS[name](problem, 0.1)
@@ -127,6 +129,7 @@ def test_bf16_stays_bf16(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.cases("first", 5)
 def test_state_types_stable_under_jit(name):
     """Through the per-step adapter (every schedule runs there): one compiled step for sync
     and non-sync steps, and the state keeps its types across rounds."""

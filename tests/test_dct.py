@@ -108,6 +108,7 @@ def test_96x40_layout_by_hand():
 
 
 @pytest.mark.parametrize("shape", [(96, 40), (100,), (8, 12)], ids=str)
+@pytest.mark.cases("first", 2)
 def test_topk_keeps_the_largest_coefficients(shape):
     x = np.random.default_rng(3).normal(size=shape)
     k = 5  # < every chunk's size here
@@ -134,6 +135,7 @@ def _textbook_mean(payloads, k, chunk):
     return {"a": shared[:96].reshape(8, 12), "b": shared[96:]}
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_contributor_mean_under_vmap_and_between_jobs():
     payloads = _payloads()
     stacked = jax.tree.map(lambda *x: jnp.asarray(np.stack(x), jnp.float32), *payloads)
@@ -221,6 +223,7 @@ def test_dct_diloco_per_replica_weights(mesh):
     np.testing.assert_allclose(got, want, **TOL)
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_dct_diloco_keeps_bf16_anchors():
     outer = co2jax.dct_diloco(k=1, chunk=2)
     params = jnp.ones((2, 4), jnp.bfloat16)

@@ -52,6 +52,7 @@ def run_page(name: str, text: str) -> tuple[int, list[str]]:
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
+@pytest.mark.cases("first", 21)
 def test_python_blocks_run(page):
     name = str(page.relative_to(DOCS))
     ran, skipped = run_page(name, page.read_text())

@@ -38,6 +38,7 @@ def mesh():
 
 
 @pytest.mark.parametrize("name", ["diloco", "sparseloco", "streaming_diloco"])
+@pytest.mark.cases("first", 2)
 def test_the_round_engine_keeps_anchors_identical_and_an_injected_drift_fires(name, mesh):
     problem = tb.make_problem(replicas=4, examples=2, dim=16, seed=5)
     outer, inner = harness.registered(name, problem, 0.1, tb.REGISTERED_H)

@@ -58,6 +58,7 @@ def mesh():
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.cases("first", 5)
 def test_engine_matches_textbook(case, problem, mesh):
     got, state, _, trainer = run_engine(case.make(), problem, mesh)
     np.testing.assert_allclose(got, case.textbook(problem), **TOL)
@@ -66,6 +67,7 @@ def test_engine_matches_textbook(case, problem, mesh):
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.cases("first", 4)
 def test_sharded_outer_state_matches_textbook(case, problem, mesh):
     """The outer state sharded over data (1/D per device) changes no value."""
     got, state, _, _ = run_engine(case.make(), problem, mesh, shard_outer_state=True)
@@ -78,6 +80,7 @@ def test_sharded_outer_state_matches_textbook(case, problem, mesh):
 
 @pytest.mark.parametrize("reducer", ["pmean", "all_gather", "ring", "outer"])
 @pytest.mark.parametrize("name", ["co2", "eager_diloco", "diloco"])
+@pytest.mark.cases("algorithms", 2)
 def test_every_reducer_gives_the_same_trajectory(reducer, name, problem, mesh):
     case = next(c for c in CASES if c.name == name)
     got, *_ = run_engine(case.make(), problem, mesh, reducer=reducer)
@@ -94,6 +97,7 @@ def test_auto_axis_types(problem):
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.cases("first", 2)
 def test_engine_equals_per_step_adapter(case, problem, mesh):
     """Adam inner state persists in both; round engine == local_updates, step by step."""
     got, *_ = run_engine(case.make(), problem, mesh, rounds=3, inner=optax.adam(0.05))
@@ -141,6 +145,7 @@ def _placed(trainer, problem):
 
 @pytest.mark.parametrize("reducer", ["pmean", "all_gather", "ring"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.cases("first", 13)
 def test_delayed_reduction_is_independent_of_the_inner_loop(case, reducer, problem, mesh):
     outer = case.make()
     trainer = co2jax.RoundTrainer(engine_loss, optax.sgd(LR), outer, mesh, H, reducer=reducer)
@@ -257,6 +262,7 @@ def test_auto_reducer_policy():
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.cases("first", 4)
 def test_fsdp_matches_textbook(case, problem, mesh):
     """Parameters, inner and outer state sharded over data: the same trajectory."""
     got, state, _, _ = run_engine(case.make(), problem, mesh, fsdp=True)
@@ -327,6 +333,7 @@ GATHERED_CASES = [
     GATHERED_CASES,
     ids=[f"{n}-{'sharded' if s else 'whole'}" for n, s in GATHERED_CASES],
 )
+@pytest.mark.cases("first", 2)
 def test_gathered_payloads_reach_the_kernel(name, shard_outer_state, problem, mesh):
     """reducer="all_gather": the R payloads go un-reduced into the fused kernel (Pallas'
     interpreter), which averages them in its own pass; same trajectory and metrics as the
@@ -350,6 +357,7 @@ def test_gathered_payloads_reach_the_kernel(name, shard_outer_state, problem, me
 
 @pytest.mark.parametrize("layout", ["shard_outer_state", "fsdp"])
 @pytest.mark.parametrize("name", ["co2", "local_sgd", "eager_diloco"])
+@pytest.mark.cases("algorithms", 2)
 def test_all_gather_with_split_outer_state_under_check_vma(name, layout, problem, mesh):
     """The all-gather reducers (the stacked one for the fused update, here on its jnp path)
     with the outer state split over data and a leaf that cannot be ("w": 3 elements over
@@ -374,6 +382,7 @@ SPREAD_CASES = [c for c in CASES if c.make().overlapped]
 @pytest.mark.parametrize("layout", ["whole", "shard_outer_state"])
 @pytest.mark.parametrize("reducer", ["pmean", "all_gather"])
 @pytest.mark.parametrize("case", SPREAD_CASES, ids=[c.name for c in SPREAD_CASES])
+@pytest.mark.cases("first", 9)
 def test_spread_round_equals_unspread(case, reducer, layout, problem, mesh):
     """A delayed payload cut into a chunk per inner step, each reduced inside its iteration,
     gives the unspread round (same reducer kind). The reduced values are equal bit for bit
@@ -394,6 +403,7 @@ def test_spread_round_equals_unspread(case, reducer, layout, problem, mesh):
 
 @pytest.mark.parametrize("layout", ["whole", "shard_outer_state"])
 @pytest.mark.parametrize("case", SPREAD_CASES[:2], ids=[c.name for c in SPREAD_CASES[:2]])
+@pytest.mark.cases("first", 2)
 def test_spread_in_rows_equals_unspread(case, layout, problem, mesh, monkeypatch):
     """Chunks cut in rows (the layout of real models' groups, here forced on the small
     problem with rows of 2): the spread round still equals the unspread one."""
@@ -425,6 +435,7 @@ SPLIT_CASES = {c.name: c.make for c in SPREAD_CASES[:3]} | {
 
 
 @pytest.mark.parametrize("name", list(SPLIT_CASES))
+@pytest.mark.cases("first", 1)
 def test_split_payload_equals_whole_payload_and_crosses_the_replica_axis_once(name):
     """Each of a replica's 4 devices (data 2 x model 2) sends its slice of every chunk: the
     same rounds as whole chunks (the slow twin,

@@ -101,6 +101,7 @@ _DRIVER_KINDS = {"diloco", "co2", "streaming_diloco", "sparseloco", "noloco", "d
         for a in config_lib.ALGORITHMS
     ],
 )
+@pytest.mark.cases("algorithms", 19)
 def test_every_algorithm_runs_two_rounds(algorithm, tmp_path):
     momentum = "0.0" if algorithm in ("co2", "delayed_diloco", "eager_diloco") else "0.9"
     has = {f.name for f in dataclasses.fields(registry.REGISTRY[algorithm].settings)}
@@ -122,6 +123,7 @@ def test_every_algorithm_runs_two_rounds(algorithm, tmp_path):
     [("diloco", "each_run"), ("co2", "each_run"), ("co2", "shared")],
     ids=["diloco", "co2", "co2-shared_programs"],
 )
+@pytest.mark.cases(rule=lambda algorithm, programs_of: programs_of == "shared")
 def test_resume_is_bitwise_identical(algorithm, programs_of, tmp_path):
     """4 rounds straight == 2 rounds, stop, resume for 2 more (delayed CO2 included).
 
@@ -156,6 +158,7 @@ def _resume_is_bitwise_identical(algorithm, tmp_path):
     assert len(records) == 4
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_report_writes_table_and_plots(tmp_path, monkeypatch):
     import tqdm
 
@@ -285,6 +288,7 @@ def test_cost_model():
     assert compare.simulated_round_s is sweep_rows.simulated_round_s
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_tensorboard_and_progress(tmp_path, capsys):
     cfg = _micro(
         tmp_path,
@@ -309,6 +313,7 @@ def test_tensorboard_and_progress(tmp_path, capsys):
     assert "micro" in capsys.readouterr().err  # the tqdm bar
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_consensus_distance_is_recorded_with_each_eval(tmp_path):
     import co2jax
 
@@ -326,6 +331,7 @@ def test_consensus_distance_is_recorded_with_each_eval(tmp_path):
     assert records[-1]["consensus_distance"] == pytest.approx(expected) and expected > 0
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_shared_programs_run_each_seed_as_a_build_of_its_own(tmp_path):
     """Inside ``shared_programs`` the seeds of one config share a trainer (one compiled
     round), and the second seed's records equal those of a run built on its own; another
@@ -349,6 +355,7 @@ def test_shared_programs_run_each_seed_as_a_build_of_its_own(tmp_path):
         }
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_shared_programs_share_a_round_across_outer_lrs_held_in_the_state(tmp_path):
     """With ``outer.lr_in_state``, runs that differ only in a constant outer lr share one
     trainer, and each trains at its own lr: its records equal a run built on its own. A
@@ -376,6 +383,7 @@ def test_shared_programs_share_a_round_across_outer_lrs_held_in_the_state(tmp_pa
         }
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_the_driver_trains_round_k_on_the_streams_batch_k(tmp_path):
     """The driver draws round k + 1's tokens while round k computes: its losses are those of
     a plain loop over ``streams.round_batch(k)``."""
@@ -395,6 +403,7 @@ def test_config_implementations_are_the_kernels():
     assert config_lib.CHOICES["outer.implementation"] == co2jax.kernels.IMPLEMENTATIONS
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_fused_kernel_in_the_driver_equals_xla(tmp_path):
     """CO2 with the gap-aware penalty: the kernel (interpreter) and XLA give the same run."""
     common = ["outer.algorithm=co2", "outer.penalty=gap_aware", "outer.clip_threshold=0.05"]
@@ -427,6 +436,7 @@ def plain_diloco(tmp_path_factory):
     ],
     ids=["streaming_fp4", "diloco_int8_ef", "sparseloco"],
 )
+@pytest.mark.cases("first", 1)
 def test_compressed_algorithms_run_and_send_fewer_bytes(overrides, plain_diloco, tmp_path):
     plain = plain_diloco
     result = train.train(_micro(tmp_path / "c", *overrides))
@@ -440,6 +450,7 @@ def test_compressed_algorithms_run_and_send_fewer_bytes(overrides, plain_diloco,
 @pytest.mark.parametrize(
     "layout", [["mesh.data=1", "mesh.model=2"], ["train.fsdp=true"]], ids=["tp", "fsdp"]
 )
+@pytest.mark.cases("first", 1)
 def test_tensor_parallel_and_fsdp_halve_the_parameters_and_keep_the_loss(layout):
     """mesh.model=2 splits the transformer over model by its declared logical axes (heads,
     MLP units, vocabulary), train.fsdp=true over data: per-device parameter bytes (the placed

@@ -99,6 +99,7 @@ def _mask(participants: list) -> list:
     return [1.0 if r in participants else 0.0 for r in range(worker.REPLICAS)]
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_a_dead_job_is_left_out_and_a_restarted_one_rejoins(tmp_path):
     """3 jobs, quorum 2: rank 2 dies before its round 2; ranks 0 and 1 go on without it
     (no restart of theirs, the loss of rank 2 named in every exchange they record); rank 2
@@ -147,6 +148,7 @@ def test_a_dead_job_is_left_out_and_a_restarted_one_rejoins(tmp_path):
     "mode, reason",
     [("nan", "non-finite"), pytest.param("malformed", "malformed", marks=pytest.mark.slow)],
 )
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_a_bad_payload_is_dropped_and_reported(tmp_path, mode, reason):
     """Rank 2's payload of round 1 is non-finite (a NaN batch) or malformed (a wrong
     header): the others drop it from that round and say why; rank 2 applies the same
@@ -173,6 +175,7 @@ def test_a_bad_payload_is_dropped_and_reported(tmp_path, mode, reason):
 
 
 @pytest.mark.parametrize("bad", [2, 0], ids=["a_peer", "the_coordinator"])
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_a_poisoned_job_restarts_and_takes_part_again(tmp_path, bad):
     """Inner heavy-ball SGD; job ``bad``'s batch of round 1 is NaN (job 0 coordinates the
     exchanges). Every job leaves its payload out of round 1 (the job itself included), the
@@ -227,6 +230,7 @@ def test_drift_between_jobs_is_detected(tmp_path):
         assert error and error["replicas"] == [1] and error["round"] == 0, error
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_a_pull_with_a_wrong_key_gets_nothing(tmp_path):
     """Keys derived from the run's secret: a job with another secret names another
     transfer and receives nothing; with the secret the same payload arrives. The secret is
@@ -310,6 +314,7 @@ def test_reset_varying_takes_only_the_marked_fields():
     np.testing.assert_array_equal(reset.inner_state.anchor["w"], used.inner_state.anchor["w"])
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_job_checkpoint_round_trip(tmp_path):
     """A one-job run saved after two rounds and restored into a new trainer: the same state,
     and the same next round; a checkpoint is never overwritten, a missing one is named."""
@@ -416,6 +421,7 @@ def test_robust_jobs_bound_a_faulty_job(tmp_path):
     assert jobs.record("robust_huge", 2)["rounds"]["2"]["params"] == rounds["2"]["params"]
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_a_late_payload_is_carried_into_the_next_exchange(tmp_path):
     """late="carry": rank 2 misses round 1's grace window; its payload, which arrives during
     round 2, is merged into the next exchange (weight 1/sqrt(2)) instead of being lost,
@@ -440,6 +446,7 @@ def test_a_late_payload_is_carried_into_the_next_exchange(tmp_path):
         assert records[2]["rounds"][t]["carried"] == rounds[t]["carried"]
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_the_coordinator_dying_hands_the_decisions_to_the_next_rank(tmp_path):
     """Rank 0, the coordinator, dies before its round DIE_AT: rank 1 (the next rank of the
     previous set) decides from then on; ranks 1 and 2 go on together, bit-identical."""
@@ -457,6 +464,7 @@ def test_the_coordinator_dying_hands_the_decisions_to_the_next_rank(tmp_path):
         assert one[t]["params"] == two[t]["params"]
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_a_coordinator_dying_while_it_decides_costs_one_grace_window(tmp_path):
     """Rank 0, the coordinator, dies in round DIE_AT after its payload went out and before
     its decision: ranks 1 and 2 hold its payload, so its connection has not failed, and
@@ -487,6 +495,7 @@ def test_a_coordinator_dying_while_it_decides_costs_one_grace_window(tmp_path):
     assert stall <= worker.GRACE_S + 1.0, (rounds, stall)
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_a_rejoined_coordinator_dying_while_it_decides_costs_one_grace_window(tmp_path):
     """Rank 0 dies before its round DIE_AT; restarted, it rejoins and coordinates again (the
     lowest rank), and dies again in its second round, just before sending its decision.

@@ -73,6 +73,7 @@ def problem():
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("name", list(FUSABLE))
+@pytest.mark.cases("first", 10)
 def test_vmap_matches_textbook(name, implementation, problem):
     expected = TEXTBOOK[name](problem)
     got, _ = harness.run_vmap(_make(name, implementation), problem, LR, H, ROUNDS)
@@ -81,6 +82,7 @@ def test_vmap_matches_textbook(name, implementation, problem):
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("name", list(FUSABLE))
+@pytest.mark.cases("first", 10)
 def test_shard_map_matches_textbook(name, implementation, problem):
     mesh = harness.make_mesh(replica=4, data=2)
     expected = TEXTBOOK[name](problem)
@@ -99,6 +101,7 @@ def test_shard_map_matches_textbook(name, implementation, problem):
 
 @pytest.mark.parametrize("implementation", ["xla", "interpret"])
 @pytest.mark.parametrize("name", ["co2_gap_aware", "eager_diloco", "co2_reference_code"])
+@pytest.mark.cases("each")
 def test_fused_state_equals_the_unfused_state(name, implementation, problem):
     """Same outer state (momentum, penalty average and count, penalty scale, pending)."""
     _, want = harness.run_vmap(_make(name, "unfused"), problem, LR, H, ROUNDS)

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.processes
 
 
 @pytest.mark.slow  # 6 processes, about a minute
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_a_killed_coordinator_rejoins_and_the_anchors_agree(tmp_path):
     grace = 0.5
     goodput.main(

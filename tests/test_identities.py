@@ -79,6 +79,7 @@ def test_h1_local_sgd_is_data_parallel_sgd(problem):
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.cases("first", 9)
 def test_single_replica_is_plain_training(case):
     """R = 1 with a plain SGD outer step of 1 is plain training; others match their textbook."""
     problem = tb.make_problem(replicas=1, examples=2, seed=2)

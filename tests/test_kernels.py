@@ -104,6 +104,7 @@ def test_layout_covers_every_element_once():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("gathered", [False, True], ids=["reduced", "gathered"])
 @pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.cases("first", 8)
 def test_kernel_matches_reference(name, gathered, dtype):
     spec = SPECS[name]
     state = _state(spec, dtype)
@@ -123,6 +124,7 @@ def test_kernel_matches_reference(name, gathered, dtype):
 
 
 @pytest.mark.parametrize("name", ["diloco_nesterov", "co2_clip", "co2_gap_aware", "eager_nesterov"])
+@pytest.mark.cases("first", 2)
 def test_int8_gathered_payloads_match_reference(name):
     """int8 codes with a scale per row (Gathered.scales): the kernel dequantizes, averages and
     steps in one pass, as the reference does from the decoded mean; and that mean is the
@@ -171,6 +173,7 @@ def test_not_arrived_keeps_the_state(name):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", ["eager_nesterov", "co2_gap_aware"])
+@pytest.mark.cases("first", 2)
 def test_every_output_element_is_written(name, dtype):
     """No aliasing, outputs start as NaN (TPU interpreter): an unwritten element fails."""
     spec = SPECS[name]
@@ -311,6 +314,7 @@ class TestNative:
 
     @pytest.mark.parametrize("name", list(SPECS))
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+    @pytest.mark.cases("each")
     def test_native_matches_reference(self, name, dtype):
         spec = SPECS[name]
         state = _state(spec, dtype)
@@ -401,6 +405,7 @@ def test_installed_under_the_co2jax_namespace_only():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.cases("each")
 def test_triton_lowering_without_a_gpu(name, dtype, monkeypatch):
     """The GPU path lowers to Triton IR for CUDA on this CPU-only machine (jax.export):
     every op of every variant has a Triton lowering. Compiling and running it needs a GPU

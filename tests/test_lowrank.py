@@ -246,6 +246,7 @@ CELLS = [
 
 
 @pytest.mark.parametrize("name, driver", CELLS, ids=[f"{a}-{d}" for a, d in PAIRS])
+@pytest.mark.cases("first", 2)
 def test_matches_textbook(name, driver, problem, mesh):
     make, loop = ALGORITHMS[name]
     want, extra = loop(problem)
@@ -309,6 +310,7 @@ def test_types_dtypes_and_abstract_init(problem):
     assert abstract.factors[0][0].shape == (6, RANK)
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_full_rank_is_diloco(problem):
     """rank = min(m, n) saves no bytes: every leaf goes dense (exact in float32), which is
     uncompressed DiLoCo; and the factors themselves reproduce M at full rank."""
@@ -359,6 +361,7 @@ def test_combine_is_the_mean_of_the_approximations(factors):
         np.testing.assert_array_equal(np.asarray(got[k]), np.broadcast_to(got[k][0], x[k].shape))
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_bf16_factors_are_float32_factors_rounded():
     x = _payloads()
     run = lambda f: jax.vmap(cx.all_gather_low_rank(RANK, f), axis_name="replica")(x)
@@ -370,6 +373,7 @@ def test_bf16_factors_are_float32_factors_rounded():
 
 
 @pytest.mark.parametrize("factors", lowrank.FACTORS)
+@pytest.mark.cases("first", 2)
 def test_wire_bytes_are_the_buffer(factors):
     reduce = cx.all_gather_low_rank(RANK, factors, block=16)
     one = {k: v[0] for k, v in _payloads().items()}
@@ -600,6 +604,7 @@ def _int4_numpy(x, block):
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 1000])
+@pytest.mark.cases("first", 3)
 def test_int4_matches_numpy_and_its_bounds(n):
     codec = cx.int4(block=64)
     rng = np.random.default_rng(n)

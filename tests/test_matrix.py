@@ -72,6 +72,25 @@ CELLS = [
 ]
 
 
+SPLIT = [lay for lay in LAYOUTS if lay != "replicated" and lay not in ENGINE_ONLY]
+
+
+def runs_by_default(name: str, driver: str, layout: str) -> bool:
+    """The matrix's share of the default suite (``tests/budget.py``), from the registry and
+    the capabilities: every driver at the whole layout ("replicated"); every algorithm at
+    every split layout by one of the mesh drivers it runs in, taken in turn by the
+    algorithm's position and the layout's (so that across algorithms every driver meets
+    every layout); the round engine's host-memory option for one algorithm in four. The
+    other cells run with -m slow."""
+    if layout == "replicated":
+        return True
+    position = NAMES.index(name)
+    if layout in ENGINE_ONLY:
+        return position % 4 == 0
+    drivers = [d for d in ON_A_MESH if (name, d) not in NOT_APPLICABLE]
+    return driver == drivers[(position + SPLIT.index(layout)) % len(drivers)]
+
+
 def problem_for(layout: str) -> tb.Problem:
     return tb.make_problem(replicas=LAYOUTS[layout][0][0], examples=2, dim=16, seed=5)
 
@@ -187,6 +206,7 @@ def run(name, driver, layout, problem):
 @pytest.mark.parametrize(
     "name, driver, layout", CELLS, ids=[f"{n}-{d}-{lay}" for n, d, lay in CELLS]
 )
+@pytest.mark.cases(rule=runs_by_default)
 def test_matches_textbook(name, driver, layout):
     problem = problem_for(layout)
     want = tb.loop_of(name)(problem, LR, H, ROUNDS)

@@ -92,6 +92,7 @@ def test_rope_scores_depend_only_on_relative_position():
     )
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_loss_at_init_near_log_vocab_and_decreases_under_adam(small, value_and_grad):
     _, params = small
     batch_BxLp1 = _batch(2, (4, SEQ + 1))
@@ -130,6 +131,7 @@ def test_layer_of_maps_block_params_to_their_index(small):
     assert model.layer_of(("blocks", 3, "attn", "q", "kernel")) == 3
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_loss_fn_under_vmap_over_stacked_replica_params(small, value_and_grad):
     graphdef, params = small
     loss_fn = model.make_loss_fn(graphdef)

@@ -112,6 +112,7 @@ def _spmd(name: str, rounds: int = worker.ROUNDS) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", worker.algorithms())
+@pytest.mark.cases("algorithms", 14)
 def test_jobs_equal_the_spmd_engine(name, results):
     """Two jobs (each its own process and 2-device mesh) exchanging through the transfer
     service follow the SPMD round engine's trajectory, to float32 rounding (the outer step
@@ -126,6 +127,7 @@ def test_jobs_equal_the_spmd_engine(name, results):
     assert not np.allclose(want[-1], worker.problem().theta0)  # the run moved
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_missing_peer_fails_with_a_clear_error(tmp_path):
     """Rank 0 alone: its first exchange times out with PeerError naming the peer; the state
     it had (the initial parameters) is intact."""
@@ -138,6 +140,7 @@ def test_missing_peer_fails_with_a_clear_error(tmp_path):
     np.testing.assert_array_equal(kept, problem.theta0.astype(np.float32))
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_peer_dying_mid_run_fails_the_others_cleanly(tmp_path):
     """Rank 1 exits after its first round; rank 0 fails in the second with PeerError and
     keeps the state of the first round, which is the SPMD engine's."""

@@ -114,6 +114,7 @@ def test_wire_bytes_do_not_grow_with_r():
     assert {reducer.wire_bytes(shapes, r) for r in (2, 4, 8, 64)} == {800.0}
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_consensus_distance_grows_then_contracts():
     """Heterogeneous replicas in groups of 2 drift apart (the distance is > 0 after one
     round); with the inner steps switched off (lr 0) the gossip contracts it toward 0."""

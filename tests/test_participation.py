@@ -39,6 +39,7 @@ FORMS = _gather_forms()
 
 
 @pytest.mark.parametrize("name, reducer", FORMS, ids=[n for n, _ in FORMS])
+@pytest.mark.cases("first", 2)
 def test_a_weighted_combine_is_the_subset_combine(name, reducer):
     """0/1 weights == the reducer's own combine of the participants alone; all-equal weights
     == the unweighted combine; integer weights == each replica repeated that often (except
@@ -72,6 +73,7 @@ def test_a_weighted_combine_is_the_subset_combine(name, reducer):
         close(weighted(every, counts), values(stack(repeated)))
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_weighted_exact_mean_under_vmap_and_shard_map():
     x = jnp.arange(8.0 * 3).reshape(8, 3) ** 1.5
     w = jnp.array([1.0, 0.0, 2.0, 1.0, 0.0, 3.0, 1.0, 1.0])
@@ -92,6 +94,7 @@ def test_weighted_exact_mean_under_vmap_and_shard_map():
         np.testing.assert_allclose(fn(place(x), place(w)), np.broadcast_to(want, (8, 3)), **TOL)
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_a_left_out_nan_does_not_reach_the_mean():
     x = jnp.array([[1.0, 2.0], [jnp.nan, jnp.inf], [3.0, 4.0]])
     for reducer in (comm.pmean(), comm.all_gather_compressed(comm.int8(block=8))):
@@ -159,6 +162,7 @@ _QUICK = {"diloco", "co2", "streaming_diloco", "sparseloco", "sparseloco[product
 @pytest.mark.parametrize(
     "name", [n if n in _QUICK else pytest.param(n, marks=pytest.mark.slow) for n in MASKABLE]
 )
+@pytest.mark.cases("algorithms", 6)
 def test_a_replica_left_out_every_round_is_the_textbook_loop_without_it(name, problem, mesh):
     """Every registered algorithm with a replica-invariant anchor: replica 1 left out of
     every round == the textbook loop on replicas {0, 2, 3}; and integer weights (2, 1, 0, 1)

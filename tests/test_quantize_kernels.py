@@ -33,6 +33,7 @@ def test_quantize_matches_reference(rows):
 
 @pytest.mark.parametrize("replicas", [1, 3])
 @pytest.mark.parametrize("rows", [1, 83])
+@pytest.mark.cases("each")
 def test_dequantize_mean_matches_reference(replicas, rows):
     qs = [qk.quantize_int8_reference(_x(rows, seed)) for seed in range(replicas)]
     q = jnp.stack([a for a, _ in qs])
@@ -98,6 +99,7 @@ PACKED = ["fp4", "2bit"]
 
 @pytest.mark.parametrize("fmt", PACKED)
 @pytest.mark.parametrize("rows", [1, 83])
+@pytest.mark.cases("each")
 def test_quantize_packed_is_the_codec_encoding(fmt, rows):
     """Bit for bit the fp4(128) / two_bit(128)'s encoding (signs, zero rows)."""
     x = _x(rows)
@@ -110,6 +112,7 @@ def test_quantize_packed_is_the_codec_encoding(fmt, rows):
 
 @pytest.mark.parametrize("fmt", PACKED)
 @pytest.mark.parametrize("replicas", [1, 3])
+@pytest.mark.cases("each")
 def test_dequantize_mean_packed_matches_reference(fmt, replicas):
     enc = [qk.quantize_packed_reference(_x(83, seed), fmt) for seed in range(replicas)]
     p = jnp.stack([a for a, _ in enc])
@@ -128,6 +131,7 @@ def test_dequantize_mean_packed_matches_reference(fmt, replicas):
 
 @pytest.mark.parametrize("name", ["int8", "fp4", "2bit"])
 @pytest.mark.parametrize("collective", ["all_gather_compressed", "all_reduce_compressed"])
+@pytest.mark.cases("each")
 def test_codec_collectives_run_the_kernels(name, collective):
     """block=128 codecs encode and decode-average through the kernels (interpreter) inside
     both compressed collectives, with the reference path's result."""

@@ -6,12 +6,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
 import quickstart
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_quickstart_runs_and_counts_bytes():
     steps, sync_every = 4, 2
     rows = {r["algorithm"]: r for r in quickstart.main(steps, sync_every, batch=4, seed=0)}

@@ -26,6 +26,7 @@ def _payload(R, dtype=jnp.float32):
 
 @pytest.mark.parametrize("kind", comm.EXACT)
 @pytest.mark.parametrize("R", [1, 2, 3, 4])
+@pytest.mark.cases("first", 5)
 def test_vmap_equals_mean(kind, R):
     payload = _payload(R)
     got = jax.vmap(comm.exact_mean(kind), axis_name="replica")(payload)

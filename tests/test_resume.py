@@ -39,6 +39,7 @@ def _snapshot(root):
     }
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_a_used_run_directory_is_refused_before_anything_is_written(tmp_path):
     train.train(_cfg(tmp_path, "train.rounds=1"))
     before = _snapshot(tmp_path)
@@ -48,6 +49,7 @@ def test_a_used_run_directory_is_refused_before_anything_is_written(tmp_path):
     assert _snapshot(tmp_path) == before  # config, metrics and checkpoints untouched
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_overwrite_replaces_the_old_run(tmp_path):
     train.train(_cfg(tmp_path, "train.rounds=2"))
     result = train.train(_cfg(tmp_path, "train.rounds=1", "outer.algorithm=co2"), overwrite=True)
@@ -85,6 +87,7 @@ def test_resume_with_another_config_names_the_fields_and_writes_nothing(tmp_path
     assert _snapshot(tmp_path) == before
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_another_runs_checkpoints_are_refused_in_one_line(tmp_path, capsys):
     """A run with another seed pointed at this run's checkpoint directory (its own log
     directory) was restored silently; now each checkpoint records its run's id and trajectory
@@ -112,6 +115,7 @@ def test_another_runs_checkpoints_are_refused_in_one_line(tmp_path, capsys):
     assert mine["run_id"] != stored["run_id"] and mine["trajectory"]["train"]["seed"] == 1
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_a_resumed_run_refuses_checkpoints_of_another_run_id(tmp_path):
     """The same config run twice (the second with --overwrite), and the first run's
     checkpoints put back in place of the second's: not the second run's to continue."""
@@ -155,6 +159,7 @@ def straight(tmp_path_factory):
     return train.train(_cfg(tmp, "train.rounds=3", "checkpoint.every=1")).state
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_resume_drops_a_torn_last_line(tmp_path, straight):
     train.train(_cfg(tmp_path, "train.rounds=3", "checkpoint.every=1"), stop_after=2)
     metrics = _run_dir(tmp_path) / "metrics.jsonl"
@@ -183,6 +188,7 @@ def _flip_a_bit(step_dir):
         *(pytest.param(d, marks=pytest.mark.slow) for d in ("missing_state", "torn_digest")),
     ],
 )
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     damage, tmp_path, capsys, straight
 ):
@@ -214,6 +220,7 @@ def test_digest_sees_one_flipped_bit():
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.cases("each")
 def test_a_signal_stops_at_the_round_boundary_with_a_checkpoint(signum, tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, "train.rounds=4", "checkpoint.every=10")
     real = train.build_validated  # the run's build, after its one validation
@@ -252,6 +259,7 @@ def test_a_signal_stops_at_the_round_boundary_with_a_checkpoint(signum, tmp_path
 
 
 @pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_a_signal_during_start_up_prints_what_to_do(resumed, tmp_path, monkeypatch, capsys):
     """A SIGTERM while the command loads its config (before any round): before, the run
     ended with Python's default handler and no word; now the handlers are installed on the
@@ -285,6 +293,7 @@ class _Killed(BaseException):
     """The process dying at a write point (not an Exception: nothing may catch it)."""
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_a_kill_at_every_write_point_loses_and_duplicates_nothing(tmp_path, monkeypatch):
     """Every file the run directory gets (config.json, run.json, the rewritten metrics) goes
     through one atomic writer; the process is killed at each of its write points in turn
@@ -322,6 +331,7 @@ def test_a_kill_at_every_write_point_loses_and_duplicates_nothing(tmp_path, monk
     assert json.loads((_run_dir(tmp_path) / "config.json").read_text())["name"] == "micro"
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_a_diverged_run_stops_with_an_error(tmp_path):
     with pytest.raises(train.Diverged, match="training loss is nan on every replica"):
         train.train(_cfg(tmp_path, "inner.learning_rate=1e30", "train.rounds=3", ckpt=False))
@@ -352,6 +362,7 @@ def _tensorboard_view(directory):
     return points, plugins
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_tensorboard_shows_each_round_once_after_resume(tmp_path):
     pytest.importorskip("tensorboardX")
     common = ["train.rounds=3", "checkpoint.every=1", "log.tensorboard=true"]
@@ -387,6 +398,7 @@ def test_the_config_is_the_runs_hyperparameters(tmp_path):
     assert all(isinstance(v, bool | int | float | str) for v in hp.values())
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_resuming_a_finished_run_says_so(tmp_path, capsys):
     args = [
         "--preset", "micro", f"log.dir={tmp_path / 'logs'}", "log.tensorboard=false",

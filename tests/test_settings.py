@@ -108,6 +108,7 @@ def _engine_plan(name: str, **fields):
 
 
 @pytest.mark.parametrize("name", registry.NAMES)
+@pytest.mark.cases("algorithms", 3)
 def test_derived_capabilities_are_what_the_drivers_do(name):
     caps = registry.capabilities(name)
     # every_step: the replicas' inner steps exchange something (DDP, DeMo, SPARTA, DES-LOC)

@@ -62,6 +62,7 @@ VALUES = {
 
 
 @pytest.mark.parametrize("name", list(VALUES))
+@pytest.mark.cases("first", 3)
 def test_quantizer_matches_textbook(name):
     v = VALUES[name].astype(np.float32)
     codes, shift, scale, lookup = (np.asarray(a) for a in quantize_values(jnp.asarray(v)))
@@ -101,6 +102,7 @@ _QUICK = ("ragged_vector", "tiled", "not_multiple")
     "name",
     [n if n in _QUICK else pytest.param(n, marks=pytest.mark.slow) for n in SHAPES],
 )
+@pytest.mark.cases("first", 1)
 def test_codec_roundtrip_matches_textbook(name):
     shape = SHAPES[name]
     x = np.random.default_rng(1).normal(size=shape).astype(np.float32)
@@ -123,6 +125,7 @@ def _replica_payloads(replicas=4, seed=2):
 
 @pytest.mark.parametrize("clip", [True, False])
 @pytest.mark.parametrize("average", ["contributors", "replicas"])
+@pytest.mark.cases("first", 2)
 def test_aggregate_matches_textbook(average, clip):
     x = jax.tree.map(lambda a: a.astype(np.float32), _replica_payloads())
     # "a": tiles of 48x50, the top 64; "b": chunks of 25, the top 24 (k clamped to even)
@@ -268,6 +271,7 @@ def test_residual_is_target_minus_dequantized_sent():
         np.testing.assert_allclose(np.asarray(residual["b"]), b - b.mean(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_mean_over_contributors_differs_from_one_over_r_where_it_should():
     """Where all R replicas selected an index the two means agree; where only some did the
     mean over contributors is R / count times the other; where none did both are 0."""
@@ -308,6 +312,7 @@ def test_wire_bytes_of_a_large_matrix():
     assert bits == pytest.approx(0.22, abs=0.002) and 32 / bits == pytest.approx(146, abs=1)
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_wire_bytes_are_the_encoding_bytes():
     reduce = all_gather_topk_quantized(4, chunk=16)
     x = {k: jnp.asarray(v[0], jnp.float32) for k, v in _replica_payloads().items()}

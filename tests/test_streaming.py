@@ -79,6 +79,7 @@ CASES = [(0, 0.0), (1, 0.5), (2, 1.0), (1, 0.0)]
 
 
 @pytest.mark.parametrize("tau, alpha", CASES)
+@pytest.mark.cases("first", 3)
 def test_vmap_matches_textbook(tau, alpha, problem):
     want = tb.streaming_nesterov(problem, LR, H, ROUNDS, list(FLAT.values()), tau, alpha, ETA, MU)
     params = harness.initial_params(problem)
@@ -89,6 +90,7 @@ def test_vmap_matches_textbook(tau, alpha, problem):
 
 @pytest.mark.parametrize("shard_outer_state", [False, True], ids=["whole", "sharded"])
 @pytest.mark.parametrize("tau, alpha", CASES)
+@pytest.mark.cases("each")
 def test_round_engine_matches_textbook(tau, alpha, shard_outer_state, problem):
     """shard_map on the (replica=4, data=2) mesh; the fragments' reductions as segment events,
     the outer state whole or split over data ("b" is split, the stacked "w" stays whole)."""
@@ -194,6 +196,7 @@ def test_torchft_streaming_diloco_trajectories(case):
 
 @pytest.mark.parametrize("strategy", ["strided", "sequential"])
 @pytest.mark.parametrize("count", [1, 2, 3, 4])
+@pytest.mark.cases("each")
 def test_fragments_cover_every_parameter_once(strategy, count):
     params = {
         "embed": jnp.zeros((10, 4)),
@@ -288,6 +291,7 @@ def _int8_outer(tau, block=4):
 
 
 @pytest.mark.parametrize("tau", [0, 1, 2])
+@pytest.mark.cases("first", 2)
 def test_error_feedback_per_fragment_matches_textbook(tau, problem):
     """int8 (blocks of 4) with error feedback, one residual per fragment, each from the
     payload actually sent tau steps before its apply (before the fix the residual was

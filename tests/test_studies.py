@@ -97,6 +97,7 @@ def test_scaling_targets_hold_on_a_study_with_the_published_properties(tmp_path)
         ("H = 1 is the worst H", lambda m, v: v - 0.5 * (m.get("H") == 1 and m["M"] == 2)),
     ],
 )
+@pytest.mark.cases("first", 2)
 def test_each_scaling_target_fails_when_its_property_is_broken(claim, broken, tmp_path):
     _, targets, _ = _scaling(lambda m: broken(m, _published(m)), tmp_path)
     verdicts = _verdicts(targets)
@@ -196,6 +197,7 @@ def _ordered(meta, broken=None):
         ("CO2", "CO2 at its best outer lr reaches DiLoCo's best within 0.5% at H = 30"),
     ],
 )
+@pytest.mark.cases("first", 2)
 def test_orderings_targets(broken, claim, tmp_path):
     rows = studies.orderings_rows()
     results = _fake(rows, lambda m: _ordered(m, broken))
@@ -212,6 +214,7 @@ def test_orderings_targets(broken, claim, tmp_path):
 
 
 @pytest.mark.parametrize("sweep", ["scaling", "eager", "bytes", "orderings"])
+@pytest.mark.cases("first", 1)
 def test_each_study_runs_end_to_end_at_its_smallest_grid(sweep, tmp_path, capsys):
     out = tmp_path / sweep
     assert compare.main(["--sweep", sweep, "--smoke", "--out", str(out)]) == 0
@@ -236,6 +239,7 @@ def _die(*args, **kwargs):
     os._exit(3)  # as XLA's runtime aborting a worker would
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_a_dead_worker_fails_its_unfinished_rows_and_the_next_call_starts_another(tmp_path):
     with study_run.Workers() as workers:
         with pytest.raises(BrokenProcessPool):

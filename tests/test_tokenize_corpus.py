@@ -180,6 +180,7 @@ def _records(path):
     return [{k: v for k, v in row.items() if k not in _VOLATILE} for row in rows]
 
 
+@pytest.mark.slow  # 4 s or more; a quicker test of its code runs by default
 def test_tokenize_train_kill_and_resume_ends_bitwise_equal(corpus, tmp_path):
     """The documented sequence at R = 4 x 2: tokenize a corpus, train on it through Grain, kill
     the run (SIGKILL, in a process of its own) after a checkpoint, resume: every record of the

@@ -578,6 +578,7 @@ def _compressed_at_scale():
 
 
 @pytest.mark.parametrize("name", list(_compressed_at_scale()))
+@pytest.mark.cases("first", 2)
 def test_25m_compressed_payloads_are_in_flight_and_sent_once(name, wide_mesh):
     """25M parameters, v5e 2x4, R = 2: an int8, FP4 or top-k payload, with or without error
     feedback (its encoding cut along its blocks), in a chunk per step: every byte in flight
