@@ -18,10 +18,6 @@ import pytest
 import co2jax
 from co2jax import penalties
 
-# processes: each runs or kills processes under deadlines (.ci/run runs the slow ones
-# in one pytest process, with nothing beside them)
-pytestmark = pytest.mark.processes
-
 NESTEROV = optax.sgd(0.7, momentum=0.9, nesterov=True)
 
 

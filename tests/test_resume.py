@@ -15,10 +15,6 @@ from experiments import checkpoints, rundir, train
 from experiments import config as config_lib
 from experiments import files as files_lib
 
-# processes: each runs or kills processes under deadlines (.ci/run runs the slow ones
-# in one pytest process, with nothing beside them)
-pytestmark = pytest.mark.processes
-
 
 def _cfg(tmp_path, *overrides, ckpt=True):
     extra = [f"checkpoint.dir={tmp_path / 'ckpt'}"] if ckpt else []

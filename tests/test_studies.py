@@ -14,10 +14,6 @@ from benchmarks import utilization
 from experiments import bytes_report, compare, orderings_report, studies, study_reports, study_run
 from experiments import config as config_lib
 
-# processes: each runs or kills processes under deadlines (.ci/run runs the slow ones
-# in one pytest process, with nothing beside them)
-pytestmark = pytest.mark.processes
-
 
 def _fake(rows, loss_of):
     """Results as the runs would leave them: three seeds per row, final losses loss_of(meta)
