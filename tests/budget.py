@@ -16,8 +16,9 @@ runs everything they leave out.
   - ``"algorithms"``: a check every algorithm inherits (a parameter over the registered
     algorithms and their variants) runs by default for one algorithm in ``n``: those at
     positions ``p`` of :func:`algorithm_order` with ``(p + offset) % n == 0``, ``offset`` a
-    stable hash of the test's name, so each algorithm, a new one included, gets about one in
-    ``n`` of its inherited checks; the other parameters among them by ``"each"``;
+    stable hash of the test's name (on a grid of some algorithms only, where none falls on 0,
+    those with the least ``(p + offset) % n``), so each algorithm, a new one included, gets
+    about one in ``n`` of its inherited checks; the other parameters among them by ``"each"``;
   - ``rule=f``, a function of the case's parameters (``f(**params) -> bool``): the algorithm
     x driver x layout matrix's (``tests/test_matrix.py``).
 
@@ -63,8 +64,7 @@ def algorithm_parameter(cases: list[dict], order: Iterable[str]) -> str | None:
     or ``None``."""
     names = set(order)
     for name in cases[0] if cases else ():
-        values = {c[name] for c in cases}
-        if all(isinstance(v, str) and v in names for v in values):
+        if all(isinstance(c[name], str) and c[name] in names for c in cases):
             return name
     return None
 
