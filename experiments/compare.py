@@ -210,7 +210,7 @@ def _command_line(label, algorithm, overrides, command_line, missed) -> tuple[li
     previous algorithm's defaults), and the row's warning: the overrides it sets itself
     (``outer.algorithm`` aside: a row is an algorithm) or its algorithm does not have.
     ``missed`` (override -> why, per row) collects the overrides the row runs without."""
-    names = {f.name for f in dataclasses.fields(registry.REGISTRY[algorithm].settings)}
+    names = {f.name for f in dataclasses.fields(registry.REGISTRY[algorithm])}
     own = {_key(item): item.strip() for item in overrides}
     carried, over, lacking = [], [], []
     for item in command_line:

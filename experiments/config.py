@@ -398,7 +398,7 @@ def with_algorithm(config: Config, algorithm: Any) -> Config:
     old = config.outer
     if old.algorithm == algorithm:
         return config
-    cls = registry.REGISTRY[algorithm].settings
+    cls = registry.REGISTRY[algorithm]
     names = {f.name for f in dataclasses.fields(cls)} - {"algorithm"}
     kept = {
         f.name: getattr(old, f.name)

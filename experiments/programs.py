@@ -105,7 +105,7 @@ def context(cfg: config_lib.Config, schedule, params=None, num_replicas=None) ->
 def build_outer(cfg: config_lib.Config, schedule, params=None, num_replicas=None):
     """The outer algorithm ``cfg.outer`` names (its settings, validated where the config was
     loaded: :mod:`co2jax.algorithms.registry`)."""
-    return registry.build(cfg.outer, context(cfg, schedule, params, num_replicas))
+    return cfg.outer.outer(context(cfg, schedule, params, num_replicas))
 
 
 class _Programs(NamedTuple):
@@ -260,8 +260,8 @@ def build_trainer(cfg: config_lib.Config, mesh, graphdef, params) -> tuple[Any, 
 
     schedule = inner_lib.schedule(i, t.rounds * t.sync_every)
     # both sides from one context (DDP averages the inner gradients; DeMo replaces AdamW)
-    inner, outer = registry.optimizers(
-        cfg.outer, context(cfg, schedule, params), inner_lib.optimizer(i, schedule)
+    inner, outer = cfg.outer.optimizers(
+        context(cfg, schedule, params), inner_lib.optimizer(i, schedule)
     )
     # Pallas' interpreter is not typed for shard_map's varying-axis check (docs/kernels.md)
     check_vma = cfg.outer.kernel_implementation() != "interpret"

@@ -156,10 +156,10 @@ def _plan(algorithm: str, H: int, fragments: int, tau: int, group_size: int, R: 
     registry's derived capability)."""
     leaves = {f"layer{i}": jax.ShapeDtypeStruct((8,), jnp.float32) for i in range(fragments)}
     given = {"fragments": fragments, "tau": tau, "group_size": group_size}
-    names = {f.name for f in dataclasses.fields(registry.REGISTRY[algorithm].settings)}
+    names = {f.name for f in dataclasses.fields(registry.REGISTRY[algorithm])}
     settings = registry.settings(algorithm, **{k: v for k, v in given.items() if k in names})
     context = registry.Context(H, leaves, 0.1, num_replicas=R)
-    outer = registry.build(settings, context)
+    outer = settings.outer(context)
     every_step = registry.capabilities(algorithm).every_step
     return resolve(outer, H), outer.reducer.reach, every_step
 

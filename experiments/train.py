@@ -179,7 +179,6 @@ def _train_claimed(
         )
     eval_fn, eval_batch = run.eval_fn
     every_step = registry.capabilities(cfg.outer.algorithm).every_step
-    step_bytes = registry.REGISTRY[cfg.outer.algorithm].step_bytes
     # the inner lr at each round's end, evaluated once (op by op, a schedule costs a few
     # dispatches a round: more than a small model's round on CPU)
     inner_lrs = np.asarray(jax.vmap(run.schedule)(np.arange(1, t.rounds + 1) * H))
@@ -199,7 +198,7 @@ def _train_claimed(
                 bytes_round = float(np.asarray(metrics.bytes_communicated)[0])
                 bytes_inner = 0.0  # DDP, DeMo, SPARTA communicate in every inner step too
                 if every_step:
-                    bytes_inner = H * step_bytes(cfg.outer, run.params, R, H)
+                    bytes_inner = H * cfg.outer.step_bytes(run.params, R, H)
                 bytes_round += bytes_inner
                 bytes_total += bytes_round
                 slow = cfg.outer.slow_link_bytes(run.params, R)  # None: every byte may

@@ -80,7 +80,7 @@ def registered(name: str, problem: Problem, lr: float, H: int, **overrides):
     params = jax.tree.map(lambda x: x[0], initial_params(problem))
     context = registry.Context(H, params, lr, num_replicas=problem.replicas)
     transform = INNER.get(name, INNER.get(algorithm, optax.sgd))(lr)
-    inner, outer = registry.optimizers(settings, context, transform)
+    inner, outer = settings.optimizers(context, transform)
     return outer, inner
 
 

@@ -121,9 +121,7 @@ def test_half_the_traffic_of_local_adam():
     assert desloc == pytest.approx(1.5 * copy)
     assert desloc / local_adam == pytest.approx(0.5)
     s = registry.settings("desloc")
-    assert registry.REGISTRY["desloc"].step_bytes(s, params, 4, H) == pytest.approx(
-        desloc_step_bytes(params, 4, 3 * H, 6 * H)
-    )
+    assert s.step_bytes(params, 4, H) == pytest.approx(desloc_step_bytes(params, 4, 3 * H, 6 * H))
 
 
 def test_an_inner_transform_without_moments_is_refused():
@@ -149,4 +147,4 @@ def test_bad_settings_are_refused_in_one_line(fields, match):
 def test_the_registry_needs_the_round_length():
     s = registry.settings("desloc")
     with pytest.raises(ValueError, match="needs the round length"):
-        registry.inner(s, optax.adam(LR), LR)
+        s.inner(optax.adam(LR), registry.Context(None, inner_learning_rate=LR))

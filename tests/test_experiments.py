@@ -104,7 +104,7 @@ _DRIVER_KINDS = {"diloco", "co2", "streaming_diloco", "sparseloco", "noloco", "d
 @pytest.mark.cases("algorithms", 19)
 def test_every_algorithm_runs_two_rounds(algorithm, tmp_path):
     momentum = "0.0" if algorithm in ("co2", "delayed_diloco", "eager_diloco") else "0.9"
-    has = {f.name for f in dataclasses.fields(registry.REGISTRY[algorithm].settings)}
+    has = {f.name for f in dataclasses.fields(registry.REGISTRY[algorithm])}
     extra = [f"outer.momentum={momentum}"] if "momentum" in has else []
     extra += ["outer.tau=0"] if registry.capabilities(algorithm).fragments else []  # H 2, P 2
     cfg = _micro(tmp_path, f"outer.algorithm={algorithm}", *extra)

@@ -654,7 +654,7 @@ def test_int4_through_the_registry(collective):
         "delayed_diloco", learning_rate=0.5, momentum=0.5, compression="int4",
         error_feedback=True, collective=collective,
     )  # fmt: skip
-    build = lambda: registry.build(settings.validate(), registry.Context(sync_every=H))
+    build = lambda: settings.validate().outer(registry.Context(sync_every=H))
     got, _ = harness.run_vmap(build(), problem, LR, H, ROUNDS)
     plain = tb.diloco_nesterov(problem, LR, H, ROUNDS, 0.5, 0.5, delay=1)
     off, moved = np.abs(got - plain).max(), np.abs(plain - problem.theta0).max()

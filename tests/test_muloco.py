@@ -194,7 +194,7 @@ def test_bad_settings_are_refused_in_one_line(fields, match):
 
 def test_the_registry_needs_the_inner_learning_rate():
     with pytest.raises(ValueError, match="needs the inner learning rate"):
-        registry.inner(registry.settings("muloco"), optax.adamw(1e-3), None, 4)
+        registry.settings("muloco").inner(optax.adamw(1e-3), registry.Context(4))
 
 
 def test_muon_takes_its_own_multiple_of_the_inner_learning_rate():
@@ -202,7 +202,7 @@ def test_muon_takes_its_own_multiple_of_the_inner_learning_rate():
 
     def updates(scale):
         s = registry.settings("muloco", muon_lr_scale=scale).validate()
-        tx = registry.inner(s, optax.sgd(0.01), 0.01, 4)
+        tx = s.inner(optax.sgd(0.01), registry.Context(4, inner_learning_rate=0.01))
         return tx.update(params, tx.init(params), params)[0]
 
     one, four = updates(1.0), updates(4.0)

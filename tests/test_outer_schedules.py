@@ -116,7 +116,7 @@ def _build(problem, rounds=ROUNDS, **fields):
     settings = registry.settings("diloco", **fields)
     params = jax.tree.map(lambda x: x[0], harness.initial_params(problem))
     context = registry.Context(H, params, LR, num_replicas=problem.replicas, rounds=rounds)
-    return registry.build(settings, context)
+    return settings.outer(context)
 
 
 def test_diloco_with_one_replica_and_scheduled_nesterov_is_its_loop():
@@ -172,7 +172,7 @@ def test_scheduled_streaming_diloco_runs_in_the_round_engine():
     problem = tb.make_problem(replicas=4, examples=2, dim=16, seed=5)
     params = jax.tree.map(lambda x: x[0], harness.initial_params(problem))
     settings = registry.settings("streaming_diloco", lr_warmup=2, tau=1)
-    outer = registry.build(settings, registry.Context(H, params, LR, rounds=3))
+    outer = settings.outer(registry.Context(H, params, LR, rounds=3))
     mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
     from test_engine import engine_loss, textbook_batch
 
@@ -190,7 +190,7 @@ def _engine_round(problem, **fields):
     """A RoundTrainer of DiLoCo on the 4 x 2 mesh, its initial state and one round's batch."""
     params = jax.tree.map(lambda x: x[0], harness.initial_params(problem))
     settings = registry.settings("diloco", **fields)
-    outer = registry.build(settings, registry.Context(H, params, LR, rounds=3))
+    outer = settings.outer(registry.Context(H, params, LR, rounds=3))
     mesh = co2jax.make_mesh(replica=4, data=2, devices=jax.devices("cpu")[:8])
     from test_engine import engine_loss, textbook_batch
 

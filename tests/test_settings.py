@@ -24,7 +24,7 @@ LEAVES = {f"layer{i}": jnp.zeros(8) for i in range(4)}  # one leaf per fragment
 
 
 def _declared(name: str) -> set[str]:
-    return {f.name for f in dataclasses.fields(registry.REGISTRY[name].settings)}
+    return {f.name for f in dataclasses.fields(registry.REGISTRY[name])}
 
 
 @pytest.mark.parametrize("name", registry.NAMES)
@@ -54,14 +54,14 @@ def test_choices_are_checked_by_validate():
     with pytest.raises(ValueError, match=r"^outer\.penalty='hard': must be one of"):
         registry.settings("co2", penalty="hard").validate()
     with pytest.raises(ValueError, match=r"^outer\.algorithm='co2': must be 'diloco' for Di"):
-        registry.REGISTRY["diloco"].settings(algorithm="co2").validate()  # not co2's class
+        registry.REGISTRY["diloco"](algorithm="co2").validate()  # not co2's class
 
 
 def test_an_inherited_check_runs_for_every_algorithm_with_the_piece():
     """A shared piece's rule (the outer learning rate > 0) refuses in every algorithm that
     takes the piece: nobody restates it and nobody can forget it."""
     with_lr = [n for n in registry.NAMES if issubclass(
-        registry.REGISTRY[n].settings, settings.LearningRate)]  # fmt: skip
+        registry.REGISTRY[n], settings.LearningRate)]  # fmt: skip
     assert len(with_lr) >= 10
     for name in with_lr:
         with pytest.raises(ValueError, match=r"^outer\.learning_rate=0: must be > 0"):
@@ -128,14 +128,14 @@ def test_derived_capabilities_are_what_the_drivers_do(name):
     # the pieces an algorithm takes are settings it accepts, and they change what it builds
     if caps.compressible:
         s = registry.settings(name, compression="int8").validate(registry.Bounds(H))
-        built = registry.build(s, registry.Context(H, LEAVES, LR, num_replicas=4))
+        built = s.outer(registry.Context(H, LEAVES, LR, num_replicas=4))
         assert not built.reducer.exact
     else:
         with pytest.raises(ValueError, match="no such setting"):
             registry.settings(name, compression="int8")
     if caps.guardable:
         s = registry.settings(name, skip_nonfinite=True)
-        built = registry.build(s, registry.Context(H, LEAVES, LR, num_replicas=4))
+        built = s.outer(registry.Context(H, LEAVES, LR, num_replicas=4))
         assert built.recovers_nonfinite
     else:
         with pytest.raises(ValueError, match="no such setting"):
@@ -216,7 +216,7 @@ def test_adding_an_algorithm_with_one_new_setting(diloco_wd, tmp_path, capsys):
     problem = tb.make_problem(replicas=4, examples=2, dim=16, seed=4)
     s = registry.settings(diloco_wd, learning_rate=0.5, momentum=0.8, outer_weight_decay=0.3)
     params = jax.tree.map(lambda x: x[0], harness.initial_params(problem))
-    outer = registry.build(s.validate(), registry.Context(H, params, LR, num_replicas=4))
+    outer = s.validate().outer(registry.Context(H, params, LR, num_replicas=4))
     got, _ = harness.run_vmap(outer, problem, LR, H, 3)
     want = _diloco_wd_loop(problem, LR, H, 3, 0.5, 0.8, 0.3)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -243,7 +243,7 @@ def test_what_a_run_records_comes_from_the_algorithm(name):
     (``Settings.recorded``: every piece's ``metrics``), never from a field name read outside:
     the guard's skipped steps, CO2's clipped fraction and penalty scale."""
     s = registry.settings(name)
-    outer = registry.build(s, registry.Context(H, LEAVES, LR, num_replicas=2))
+    outer = s.outer(registry.Context(H, LEAVES, LR, num_replicas=2))
     state = jax.vmap(outer.init)(jax.tree.map(lambda x: jnp.stack([x, x]), LEAVES))
     recorded = s.recorded(state)
     assert all(isinstance(k, str) for k in recorded)
@@ -252,7 +252,7 @@ def test_what_a_run_records_comes_from_the_algorithm(name):
     if name == "co2":
         assert recorded["penalty_scale"] == 1.0 and recorded["clip_fraction"] is None
         clipped = registry.settings("co2", clip_threshold=1e-9)
-        outer = registry.build(clipped, registry.Context(H, LEAVES, LR, num_replicas=2))
+        outer = clipped.outer(registry.Context(H, LEAVES, LR, num_replicas=2))
         state = jax.vmap(outer.init)(jax.tree.map(lambda x: jnp.stack([x, x]), LEAVES))
         assert clipped.recorded(state)["clip_fraction"] == 0.0  # the momentum starts at 0
 

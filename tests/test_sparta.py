@@ -138,7 +138,7 @@ def test_step_bytes():
     assert sparta_step_bytes(params, 4, 0.25, "bernoulli") == ring_bytes(4 * 16, 4)
     assert sparta_step_bytes(params, 4, 0.25, "indices", every=5) == ring_bytes(20, 4) / 5
     s = registry.settings("sparta", fraction=0.25)
-    assert registry.REGISTRY["sparta"].step_bytes(s, params, 4, 8) == ring_bytes(20, 4)
+    assert s.step_bytes(params, 4, 8) == ring_bytes(20, 4)
 
 
 @pytest.mark.parametrize(

@@ -141,8 +141,11 @@ def test_alpha_one_keeps_and_alpha_zero_discards_the_overlapped_steps(problem):
     last = np.asarray(harness.flatten(discard[-1]))
     for idx in FLAT.values():  # fragment 1 was applied at the round's end: replicas agree
         if 3 in idx:
+            # to float32's rounding: the replicas are rows of one vmapped program, whose
+            # rows XLA's CPU code may round apart by an ulp (a disagreement the merge made
+            # would be of the order of the overlapped steps' updates, 1e-2)
             np.testing.assert_allclose(
-                last[:, idx], np.broadcast_to(last[0, idx], last[:, idx].shape)
+                last[:, idx], np.broadcast_to(last[0, idx], last[:, idx].shape), rtol=1e-6
             )
 
 

@@ -77,18 +77,7 @@ def no_sync() -> OuterOptimizer:
     )
 
 
-def _ddp_inner(transform: optax.GradientTransformation, settings, learning_rate, sync_every=None):
-    del settings, learning_rate, sync_every
-    return data_parallel(transform)
-
-
-@register(
-    "data-parallel baseline: gradients all-reduced every step",
-    inner=_ddp_inner,
-    step_bytes=lambda settings, params, replicas, sync_every: ring_bytes(
-        tree_bytes(params), replicas
-    ),
-)
+@register("data-parallel baseline: gradients all-reduced every step")
 @dataclasses.dataclass(frozen=True)
 class DDPSettings(Settings):
     """DDP's settings: none (its inner transform averages the gradients every step)."""
@@ -97,3 +86,9 @@ class DDPSettings(Settings):
 
     def build(self, context, reduce) -> OuterOptimizer:
         return no_sync()
+
+    def inner(self, transform, context):
+        return data_parallel(transform)
+
+    def step_bytes(self, params, replicas: int, sync_every: int) -> float:
+        return ring_bytes(tree_bytes(params), replicas)

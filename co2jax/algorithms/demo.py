@@ -150,25 +150,7 @@ def demo(
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _demo_inner(transform, settings: DeMoSettings, learning_rate, sync_every=None):
-    del (
-        transform,
-        sync_every,
-    )  # DeMo is the whole inner optimizer: sign steps at the inner learning rate
-    if learning_rate is None:
-        raise ValueError("demo needs the inner learning rate (registry.inner(..., learning_rate))")
-    return demo(learning_rate, settings.momentum, settings.topk, settings.dct_chunk)
-
-
-def _demo_step_bytes(settings: DeMoSettings, params, replicas: int, sync_every: int) -> float:
-    return all_gather_dct_topk(settings.topk, settings.dct_chunk).wire_bytes(params, replicas)
-
-
-@register(
-    "DeMo: sign steps on shared top-k DCT coefficients of a local momentum, every step",
-    inner=_demo_inner,
-    step_bytes=_demo_step_bytes,
-)
+@register("DeMo: sign steps on shared top-k DCT coefficients of a local momentum, every step")
 @dataclasses.dataclass(frozen=True)
 class DeMoSettings(Settings, DCTTopK):
     """DeMo's settings (arXiv 2411.19870): its momentum and DCT top-k, at the inner learning
@@ -183,3 +165,12 @@ class DeMoSettings(Settings, DCTTopK):
 
     def build(self, context, reduce) -> OuterOptimizer:
         return no_sync()
+
+    def inner(self, transform, context):
+        # DeMo is the whole inner optimizer: sign steps at the inner learning rate
+        if context.inner_learning_rate is None:
+            raise ValueError("demo needs the inner learning rate (Context.inner_learning_rate)")
+        return demo(context.inner_learning_rate, self.momentum, self.topk, self.dct_chunk)
+
+    def step_bytes(self, params, replicas: int, sync_every: int) -> float:
+        return all_gather_dct_topk(self.topk, self.dct_chunk).wire_bytes(params, replicas)

@@ -167,23 +167,7 @@ def desloc_step_bytes(params, replicas: int, first_every: int, second_every: int
     return ring_bytes(4 * n, replicas) * rate
 
 
-def _inner(transform, settings: DESLocSettings, learning_rate, sync_every=None):
-    del learning_rate
-    if sync_every is None:
-        raise ValueError("desloc needs the round length (registry.inner(..., sync_every=H))")
-    first, second = settings.periods(sync_every)
-    return desloc(transform, first, second)
-
-
-def _step_bytes(settings: DESLocSettings, params, replicas: int, sync_every: int) -> float:
-    return desloc_step_bytes(params, replicas, *settings.periods(sync_every))
-
-
-@register(
-    "DES-LOC: parameters every round, Adam's moments on their own longer periods",
-    inner=_inner,
-    step_bytes=_step_bytes,
-)
+@register("DES-LOC: parameters every round, Adam's moments on their own longer periods")
 @dataclasses.dataclass(frozen=True)
 class DESLocSettings(Settings, Guard):
     """DES-LOC's settings (arXiv 2505.22549): the moments' periods in rounds of H = K_x
@@ -209,6 +193,14 @@ class DESLocSettings(Settings, Guard):
 
     def build(self, context, reduce) -> OuterOptimizer:
         return local_sgd(reduce=reduce)
+
+    def inner(self, transform, context):
+        if context.sync_every is None:
+            raise ValueError("desloc needs the round length (Context.sync_every)")
+        return desloc(transform, *self.periods(context.sync_every))
+
+    def step_bytes(self, params, replicas: int, sync_every: int) -> float:
+        return desloc_step_bytes(params, replicas, *self.periods(sync_every))
 
 
 __all__ = ["DESLocState", "average_moments", "desloc", "desloc_step_bytes", "moment_fields"]

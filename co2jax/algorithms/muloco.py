@@ -187,34 +187,10 @@ def muloco_inner(
     return optax.partition({"muon": matrices, "rest": transform}, labels)
 
 
-def _inner(transform, settings: MuLoCoSettings, learning_rate, sync_every=None):
-    del sync_every
-    if learning_rate is None:
-        raise ValueError(
-            "muloco needs the inner learning rate (registry.inner(..., learning_rate))"
-        )
-    scale = settings.muon_lr_scale
-    muon_lr = (
-        (lambda count: scale * learning_rate(count))
-        if callable(learning_rate)
-        else (scale * learning_rate)
-    )
-    return muloco_inner(
-        transform,
-        muon_lr,
-        momentum=settings.muon_momentum,
-        nesterov=settings.muon_nesterov,
-        weight_decay=settings.muon_weight_decay,
-        scale=settings.muon_scale,
-    )
-
-
 FEEDBACK_SCALES = ("outer_lr", "one")
 
 
-@register(
-    "MuLoCo: Muon inside, DiLoCo outside on error-feedback 2-bit pseudo-gradients", inner=_inner
-)
+@register("MuLoCo: Muon inside, DiLoCo outside on error-feedback 2-bit pseudo-gradients")
 @dataclasses.dataclass(frozen=True)
 class MuLoCoSettings(Settings, OuterStep, Compression, Fused, Guard):
     """MuLoCo's settings (arXiv 2505.23725; released defaults): DiLoCo's outer step at
@@ -263,6 +239,25 @@ class MuLoCoSettings(Settings, OuterStep, Compression, Fused, Guard):
 
     def build(self, context, reduce) -> OuterOptimizer:
         return diloco(self.transform(context), reduce=reduce, implementation=self.implementation)
+
+    def inner(self, transform, context):
+        learning_rate = context.inner_learning_rate
+        if learning_rate is None:
+            raise ValueError("muloco needs the inner learning rate (Context.inner_learning_rate)")
+        scale = self.muon_lr_scale
+        muon_lr = (
+            (lambda count: scale * learning_rate(count))
+            if callable(learning_rate)
+            else (scale * learning_rate)
+        )
+        return muloco_inner(
+            transform,
+            muon_lr,
+            momentum=self.muon_momentum,
+            nesterov=self.muon_nesterov,
+            weight_decay=self.muon_weight_decay,
+            scale=self.muon_scale,
+        )
 
     def feedback(self, outer: OuterOptimizer) -> OuterOptimizer:
         scale = self.learning_rate if self.feedback_scale == "outer_lr" else 1.0

@@ -1,21 +1,23 @@
-"""The algorithm registry, in one module: every algorithm's settings class, how it is built,
-and what each can do, derived.
+"""The algorithm registry, in one module: every algorithm's class by name, its settings made
+from a config, and what each can do, derived.
 
-Each algorithm declares its settings beside its factory (:mod:`co2jax.algorithms.settings`:
-a frozen dataclass of the shared pieces it takes and its own fields) and registers it here
-with one decorator (:func:`register`); importing ``co2jax.algorithms`` imports every
+An algorithm is one class (:class:`co2jax.algorithms.settings.Settings`): a frozen
+dataclass of the shared pieces it takes and its own fields, its ``check``, what it builds
+for the outer side (``build``; :meth:`~Settings.outer` adds the compressed reducer, the
+guard and error feedback) and the inner side (:meth:`~Settings.inner`), its bytes
+(:meth:`~Settings.step_bytes`) and what a run records of it (``metrics``). One decorator
+registers it here (:func:`register`); importing ``co2jax.algorithms`` imports every
 algorithm module, so :data:`REGISTRY` holds them all (this module imports none of them: each
-imports :func:`register` from here). :func:`settings` makes an algorithm's settings,
-:func:`build` its outer optimizer (with the compressed reducer, the guard and error
-feedback), :func:`inner` its inner transform; ``NAMES`` lists them in report order. Adding an
-algorithm is its file (factory and settings), its textbook loop (``tests/textbook.py``), its
-docs page and its import in ``co2jax/algorithms/__init__.py``; the experiment configs, the
-comparison report and the shared tests read it from here. What an algorithm can do
-(:func:`capabilities`) is derived from what it builds, not declared.
+imports :func:`register` from here). :func:`settings` makes an algorithm's object from a
+config's fields; ``NAMES`` lists them in report order. Adding an algorithm is its file, its
+textbook loop (``tests/textbook.py``), its docs page and its import in
+``co2jax/algorithms/__init__.py``; the experiment configs, the comparison report and the
+shared tests read it from here. What an algorithm can do (:func:`capabilities`) is derived
+from what it builds, not declared.
 
 Example:
   >>> s = settings("co2", learning_rate=1.0, momentum=0.5)
-  >>> outer = build(s.validate(), Context(sync_every=8))
+  >>> outer = s.validate().outer(Context(sync_every=8))
   >>> capabilities("co2").delayed, outer.overlapped
   (True, True)
 """
@@ -25,14 +27,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from co2jax.algorithms.guards import skip_nonfinite
 from co2jax.algorithms.settings import (
     COLLECTIVES,
     COMPRESSIONS,
@@ -46,55 +46,27 @@ from co2jax.algorithms.settings import (
     fail,
 )
 from co2jax.axes import REPLICA, communicates
-from co2jax.protocol import OuterOptimizer, resolve
+from co2jax.protocol import resolve
+
+REGISTRY: dict[str, type[Settings]] = {}
 
 
-class Entry(NamedTuple):
-    """A registered algorithm: its settings class, a one-line summary and, for one that
-    replaces or wraps the inner transform (DDP, DeMo, SPARTA, DES-LOC), ``inner(transform,
-    settings, learning_rate, sync_every=H)`` and ``step_bytes(settings, params, replicas,
-    sync_every)`` (bytes one replica sends per inner step, on average)."""
-
-    settings: type
-    summary: str
-    inner: Callable | None = None
-    step_bytes: Callable | None = None
-
-
-REGISTRY: dict[str, Entry] = {}
-
-
-def register(summary: str, *, inner: Callable | None = None, step_bytes: Callable | None = None):
-    """Registers a settings class under the default of its ``algorithm`` field (and stamps
-    the class with it: :meth:`Settings.validate` checks that a settings object is its
-    algorithm's own class)."""
+def register(summary: str):
+    """Registers an algorithm's class under the default of its ``algorithm`` field, with a
+    one-line ``summary`` (``--help`` lists it), and stamps the class with its name
+    (:meth:`Settings.validate` checks that a settings object is its algorithm's own class).
+    Everything else the algorithm is, the class says: its fields, its ``check``, what it
+    builds for each side (:meth:`Settings.build`, :meth:`Settings.inner`), its bytes."""
 
     def wrap(cls: type) -> type:
         name = next(f.default for f in dataclasses.fields(cls) if f.name == "algorithm")
         if not name or name in REGISTRY:
             raise ValueError(f"{cls.__name__}: algorithm={name!r} is empty or taken")
-        REGISTRY[name] = Entry(cls, summary, inner, step_bytes)
-        cls.registered_as = name
+        REGISTRY[name] = cls
+        cls.registered_as, cls.summary = name, summary
         return cls
 
     return wrap
-
-
-def build(settings: Settings, context: Context) -> OuterOptimizer:
-    """The outer optimizer ``settings`` name, with the compressed reducer, the guard and
-    error feedback where the settings ask for them (validated where they were loaded:
-    :meth:`Settings.validate`).
-
-    The guard (``skip_nonfinite``) goes inside error feedback: a skipped step keeps the
-    residual, which holds what the compressed payload left out.
-    """
-    reduce = settings.reducer() if isinstance(settings, Compression) else None
-    outer = settings.build(context, reduce)
-    if isinstance(settings, Guard) and settings.skip_nonfinite and not outer.recovers_nonfinite:
-        outer = skip_nonfinite(outer)
-    if reduce is not None and settings.error_feedback:
-        outer = settings.feedback(outer)
-    return outer
 
 
 ORDER = (
@@ -141,12 +113,8 @@ __all__ = [
     "Bounds",
     "Capabilities",
     "Context",
-    "Entry",
     "Settings",
-    "build",
     "capabilities",
-    "inner",
-    "optimizers",
     "settings",
     "register",
     "unknown",
@@ -158,7 +126,7 @@ def settings(algorithm: str, **fields: Any) -> Settings:
     algorithm does not declare raises a one-line ``ValueError`` naming ``outer.<field>``."""
     if algorithm not in REGISTRY:
         fail("algorithm", algorithm, f"must be one of {_names()}")
-    cls = REGISTRY[algorithm].settings
+    cls = REGISTRY[algorithm]
     names = {f.name for f in dataclasses.fields(cls)}
     for name, value in fields.items():
         if name not in names:
@@ -170,47 +138,13 @@ def unknown(algorithm: str, name: str) -> str:
     """Why ``name`` cannot be set for ``algorithm`` (it declares no such setting), one line:
     the algorithms that have it, or the nearest of its own."""
     every = _names()
-    owners = [
-        n for n in every if name in {f.name for f in dataclasses.fields(REGISTRY[n].settings)}
-    ]
+    owners = [n for n in every if name in {f.name for f in dataclasses.fields(REGISTRY[n])}]
     if owners:
         return f"{algorithm} has no such setting (a setting of {', '.join(owners)})"
-    names = [f.name for f in dataclasses.fields(REGISTRY[algorithm].settings)]
+    names = [f.name for f in dataclasses.fields(REGISTRY[algorithm])]
     near = difflib.get_close_matches(name, names, n=1)
     hint = f"; did you mean outer.{near[0]}?" if near else ""
     return f"{algorithm} has no such setting{hint} (its settings: {', '.join(names)})"
-
-
-def inner(
-    s: Settings,
-    transform: optax.GradientTransformation,
-    learning_rate=None,
-    sync_every: int | None = None,
-):
-    """The inner transform as ``s``'s algorithm runs it: ``transform`` itself, averaged
-    gradients first (DDP), wrapped (SPARTA's sparse averaging, DES-LOC's moment averaging
-    on periods in rounds of ``sync_every`` steps), or DeMo in its place (at
-    ``learning_rate``, a number or a schedule of the inner step)."""
-    wrap = REGISTRY[s.algorithm].inner
-    return transform if wrap is None else wrap(transform, s, learning_rate, sync_every=sync_every)
-
-
-def optimizers(
-    s: Settings, context: Context, transform: optax.GradientTransformation
-) -> tuple[optax.GradientTransformation, OuterOptimizer]:
-    """``(inner, outer)``: both sides of ``s``'s algorithm from one context, which carries H,
-    the rounds, the replicas, the parameters and the inner learning rate once: the inner
-    transform :func:`inner` makes of ``transform`` and the outer optimizer :func:`build`
-    makes. What a driver runs.
-
-    Example:
-      >>> import optax
-      >>> inner_tx, outer = optimizers(settings("ddp"), Context(8), optax.sgd(0.1))
-      >>> outer.schedule  # DDP: its gradients are averaged in the inner transform
-      ()
-    """
-    wrapped = inner(s, transform, context.inner_learning_rate, context.sync_every)
-    return wrapped, build(s, context)
 
 
 class Capabilities(NamedTuple):
@@ -248,9 +182,9 @@ def capabilities(algorithm: str) -> Capabilities:
     stand-in parameters (one leaf per fragment) and off its inner transform (traced)."""
     s = settings(algorithm)
     leaves = {f"layer{i}": jax.ShapeDtypeStruct((8,), jnp.float32) for i in range(4)}
-    outer = build(s, Context(H, leaves, 0.1, num_replicas=2))
+    context = Context(H, leaves, 0.1, num_replicas=2)
+    wrapped, outer = s.optimizers(context, optax.sgd(0.1, momentum=0.9))  # with a moment
     transfers = resolve(outer, H)
-    wrapped = inner(s, optax.sgd(0.1, momentum=0.9), 0.1, sync_every=H)  # with a moment
     state = jax.eval_shape(wrapped.init, leaves)
     step = lambda g, st, p: wrapped.update(g, st, p)[0]
     return Capabilities(

@@ -1,18 +1,20 @@
-"""Algorithm settings: each algorithm's own frozen config, made of shared pieces, registered once.
+"""The algorithm object: each algorithm is one frozen class, made of shared pieces, registered once.
 
-An algorithm declares its settings beside its factory, as a frozen dataclass made of the
-shared pieces it takes (:class:`OuterStep`: the outer optax transform and its schedules;
-:class:`Compression`; :class:`Fused`; :class:`Guard`; :class:`Delay`; :class:`Fragmented`;
-:class:`DCTTopK`)
-and its own fields, each with a type, a default and a one-line description
-(:func:`setting`). Its ``check`` method holds its own rules; ``build`` makes the
-:class:`~co2jax.OuterOptimizer`. One decorator registers it (:func:`register`): the
+An algorithm is a frozen dataclass (a :class:`Settings`) made of the shared pieces it takes
+(:class:`OuterStep`: the outer optax transform and its schedules; :class:`Compression`;
+:class:`Fused`; :class:`Guard`; :class:`Delay`; :class:`Fragmented`; :class:`DCTTopK`) and
+its own fields, each with a type, a default and a one-line description (:func:`setting`).
+Its ``check`` method holds its own rules; ``build`` makes its
+:class:`~co2jax.OuterOptimizer` from its library factory (the math), ``inner`` its inner
+transform, ``step_bytes`` what that inner transform sends, ``metrics`` what a run records
+of its state. One decorator registers it (:func:`co2jax.algorithms.registry.register`): the
 experiments' ``outer`` section is that dataclass, so a setting the algorithm does not declare
 cannot be set.
 
-:meth:`Settings.validate` runs every piece's ``check`` and the choices of every field, once,
-where a run's config is loaded; :func:`build` adds the compressed reducer, the guard and error
-feedback and does not validate again (the library factories keep their argument checks).
+:meth:`Settings.validate` runs every piece's ``check`` (base pieces first, in the class's
+method resolution order) and the choices of every field, once, where a run's config is
+loaded; :meth:`Settings.outer` adds the compressed reducer, the guard and error feedback and
+does not validate again (the library factories keep their argument checks).
 
 Example:
   >>> from co2jax.algorithms import registry
@@ -29,13 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import optax
 
 from co2jax.algorithms.error_feedback import error_feedback
-from co2jax.algorithms.guards import SkipNonfiniteState
+from co2jax.algorithms.guards import SkipNonfiniteState, skip_nonfinite
 from co2jax.algorithms.outer_schedules import (
     LR_SCHEDULES,
     OPTIMIZERS,
@@ -95,7 +97,11 @@ class Context(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """The base of every algorithm's settings (the registered name in ``algorithm``)."""
+    """The base of every algorithm: its settings as typed fields (the registered name in
+    ``algorithm``), its rules (``check``), what it builds for each side (:meth:`outer`,
+    :meth:`inner`), its bytes and what a run records of it (:meth:`recorded`)."""
+
+    summary: ClassVar[str] = ""  # one line, set by registry.register
 
     algorithm: str = setting("", "the algorithm these settings are for")
 
@@ -120,8 +126,57 @@ class Settings:
         return self
 
     def build(self, context: Context, reduce: Any) -> OuterOptimizer:
-        """The outer optimizer (``reduce``: the compressed reducer, or ``None``)."""
+        """The algorithm's own outer optimizer (``reduce``: the compressed reducer, or
+        ``None``); :meth:`outer` adds what the shared pieces ask for."""
         raise NotImplementedError(f"{type(self).__name__} builds nothing")
+
+    def outer(self, context: Context) -> OuterOptimizer:
+        """The outer optimizer a driver runs: :meth:`build`'s, with the compressed reducer,
+        the guard and error feedback where the settings ask for them (validated where they
+        were loaded: :meth:`validate`).
+
+        The guard (``skip_nonfinite``) goes inside error feedback: a skipped step keeps the
+        residual, which holds what the compressed payload left out.
+        """
+        reduce = self.reducer() if isinstance(self, Compression) else None
+        outer = self.build(context, reduce)
+        if isinstance(self, Guard) and self.skip_nonfinite and not outer.recovers_nonfinite:
+            outer = skip_nonfinite(outer)
+        if reduce is not None and self.error_feedback:
+            outer = self.feedback(outer)
+        return outer
+
+    def inner(
+        self, transform: optax.GradientTransformation, context: Context
+    ) -> optax.GradientTransformation:
+        """The inner transform as the algorithm runs it: ``transform`` itself unless the
+        algorithm averages gradients first (DDP), wraps it (SPARTA's sparse averaging,
+        DES-LOC's moment averaging on periods in rounds of ``context.sync_every`` steps, Muon
+        on the hidden matrices) or replaces it (DeMo, at ``context.inner_learning_rate``)."""
+        del context
+        return transform
+
+    def step_bytes(self, params: Any, replicas: int, sync_every: int) -> float:
+        """Bytes one replica sends per inner step, on average, from its inner transform
+        (0 unless it communicates every step)."""
+        del params, replicas, sync_every
+        return 0.0
+
+    def optimizers(
+        self, context: Context, transform: optax.GradientTransformation
+    ) -> tuple[optax.GradientTransformation, OuterOptimizer]:
+        """``(inner, outer)``: both sides from one context, which carries H, the rounds, the
+        replicas, the parameters and the inner learning rate once (:meth:`inner` of
+        ``transform`` and :meth:`outer`). What a driver runs.
+
+        Example:
+          >>> import optax
+          >>> from co2jax.algorithms import registry
+          >>> inner, outer = registry.settings("ddp").optimizers(Context(8), optax.sgd(0.1))
+          >>> outer.schedule  # DDP: its gradients are averaged in the inner transform
+          ()
+        """
+        return self.inner(transform, context), self.outer(context)
 
     def kernel_implementation(self) -> str:
         """The fused kernels' implementation these settings ask for: ``"auto"`` unless the

@@ -224,21 +224,13 @@ class SparseAveraging:
             transform, self.fraction, every=self.every, seed=self.seed, selector=self.selector
         )
 
-
-def _inner(transform, settings: SparseAveraging, learning_rate, sync_every=None):
-    del learning_rate, sync_every
-    return settings.wrap(transform)
-
-
-def _step_bytes(settings: SparseAveraging, params, replicas: int, sync_every: int) -> float:
-    return sparta_step_bytes(params, replicas, settings.fraction, settings.selector, settings.every)
+    def averaging_bytes(self, params, replicas: int) -> float:
+        """Bytes one replica sends per inner step for this averaging
+        (:func:`sparta_step_bytes`)."""
+        return sparta_step_bytes(params, replicas, self.fraction, self.selector, self.every)
 
 
-@register(
-    "SPARTA: a random fraction of every tensor averaged every step",
-    inner=_inner,
-    step_bytes=_step_bytes,
-)
+@register("SPARTA: a random fraction of every tensor averaged every step")
 @dataclasses.dataclass(frozen=True)
 class SpartaSettings(Settings, SparseAveraging):
     """SPARTA's settings: the sparse averaging (nothing is exchanged per round)."""
@@ -249,15 +241,17 @@ class SpartaSettings(Settings, SparseAveraging):
         if self.fraction == 0:
             fail("fraction", self.fraction, "must be > 0 for sparta (0 averages nothing)")
 
+    def inner(self, transform, context):
+        return self.wrap(transform)
+
+    def step_bytes(self, params, replicas: int, sync_every: int) -> float:
+        return self.averaging_bytes(params, replicas)
+
     def build(self, context, reduce) -> OuterOptimizer:
         return no_sync()
 
 
-@register(
-    "SPARTA-DiLoCo: SPARTA's sparse averaging every step, DiLoCo's outer step every round",
-    inner=_inner,
-    step_bytes=_step_bytes,
-)
+@register("SPARTA-DiLoCo: SPARTA's sparse averaging every step, DiLoCo's outer step every round")
 @dataclasses.dataclass(frozen=True)
 class SpartaDiLoCoSettings(Settings, OuterStep, Fused, Guard, SparseAveraging):
     """SPARTA-DiLoCo's settings: DiLoCo's outer step and guard, SPARTA's averaging."""
@@ -266,6 +260,12 @@ class SpartaDiLoCoSettings(Settings, OuterStep, Fused, Guard, SparseAveraging):
 
     def build(self, context, reduce) -> OuterOptimizer:
         return diloco(self.transform(context), implementation=self.implementation)
+
+    def inner(self, transform, context):
+        return self.wrap(transform)
+
+    def step_bytes(self, params, replicas: int, sync_every: int) -> float:
+        return self.averaging_bytes(params, replicas)
 
 
 __all__ = ["SELECTORS", "SpartaState", "sample_count", "sparta", "sparta_indices", "sparta_mask"]
