@@ -36,6 +36,16 @@ def _nesterov():
     return optax.sgd(NESTEROV["eta"], momentum=NESTEROV["mu"], nesterov=True)
 
 
+def _directional(anchor, prev, delta):
+    """A CO2 penalty sensitive to the sign of previous anchor - anchor (jnp)."""
+    return jax.tree.map(lambda a, b: 1.0 + 0.5 * jnp.tanh(10.0 * (b - a)), anchor, prev)
+
+
+def _directional_np(a, b):
+    """:func:`_directional` for the textbook loop."""
+    return 1.0 + 0.5 * np.tanh(10.0 * (b - a))
+
+
 CASES = [
     Case("local_sgd", co2jax.local_sgd, lambda p: tb.local_sgd(p, LR, H, ROUNDS)),
     Case(
@@ -93,27 +103,31 @@ CASES = [
     Case(
         # sign-sensitive in previous_anchor - anchor: pins which anchor is "previous"
         "co2_directional_penalty",
-        lambda: co2jax.co2(
-            1.0,
-            0.5,
-            penalty=lambda anchor, prev, delta: jax.tree.map(
-                lambda a, b: 1.0 + 0.5 * jnp.tanh(10.0 * (b - a)), anchor, prev
-            ),
-        ),
-        lambda p: tb.co2_paper(
-            p,
-            LR,
-            H,
-            ROUNDS,
-            alpha=1.0,
-            beta=0.5,
-            penalty=lambda a, b: 1.0 + 0.5 * np.tanh(10.0 * (b - a)),
-        ),
+        lambda: co2jax.co2(1.0, 0.5, penalty=_directional),
+        lambda p: tb.co2_paper(p, LR, H, ROUNDS, alpha=1.0, beta=0.5, penalty=_directional_np),
     ),
     Case(
         "co2_reference_code",
         lambda: co2jax.co2(1.0, 0.5, penalty=penalties.constant(2.0), mode="reference_code"),
         lambda p: tb.co2_reference_code(p, LR, H, ROUNDS, alpha=1.0, beta=0.5, lam=2.0),
+    ),
+    Case(
+        # a callable penalty keeps the update off the fused kernel: the clip of the optax
+        # transform itself (the fused one is "co2_clip"'s)
+        "co2_clip_unfused",
+        lambda: co2jax.co2(1.0, 0.5, clip_threshold=0.1, penalty=lambda a, prev, d: 0.8),
+        lambda p: tb.co2_paper(
+            p, LR, H, ROUNDS, alpha=1.0, beta=0.5, phi=0.1, penalty=lambda a, b: 0.8
+        ),
+    ),
+    Case(
+        # a scheduled learning rate: the previous anchor the penalty sees is the current one
+        # plus the *last* step's alpha times m (alpha at the step before, not this one)
+        "co2_scheduled_directional",
+        lambda: co2jax.co2(lambda t: 1.0 / (1.0 + t), 0.5, penalty=_directional),
+        lambda p: tb.co2_paper(
+            p, LR, H, ROUNDS, alpha=lambda t: 1.0 / (1.0 + t), beta=0.5, penalty=_directional_np
+        ),
     ),
 ]
 IDS = [c.name for c in CASES]

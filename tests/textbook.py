@@ -173,10 +173,11 @@ def co2_paper(problem, lr, H, rounds, alpha, beta, phi=None, penalty=None):
     """m = clip(beta*m + Lambda*Delta-bar^(t-1), -phi, phi); theta -= alpha*m.
 
     Delta-bar^(-1) = 0 makes the first outer step a no-op (m stays 0), so round 0 takes none:
-    stateful penalties start at the first real average.
+    stateful penalties start at the first real average. ``alpha`` may be a function of the
+    outer step (0 at the first real one); the penalty sees the anchor before the last step.
     """
     anchor, previous, m = problem.theta0.copy(), problem.theta0.copy(), 0.0
-    stale, out = None, []
+    stale, out, step = None, [], 0
     for _ in range(rounds):
         fresh = _avg_pseudo_gradient(problem, anchor, lr, H)
         new = anchor
@@ -185,7 +186,8 @@ def co2_paper(problem, lr, H, rounds, alpha, beta, phi=None, penalty=None):
             m = beta * m + lam * stale
             if phi is not None:
                 m = np.clip(m, -phi, phi)
-            new = anchor - alpha * m
+            new = anchor - (alpha(step) if callable(alpha) else alpha) * m
+            step += 1
         previous, anchor, stale = anchor, new, fresh
         _record(out, anchor, problem.replicas)
     return np.array(out)
