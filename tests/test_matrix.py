@@ -77,14 +77,16 @@ SPLIT = [lay for lay in LAYOUTS if lay != "replicated" and lay not in ENGINE_ONL
 
 def runs_by_default(name: str, driver: str, layout: str) -> bool:
     """The matrix's share of the default suite (``tests/budget.py``), from the registry and
-    the capabilities: every driver at the whole layout ("replicated"); every algorithm at
-    every split layout by one of the mesh drivers it runs in, taken in turn by the
-    algorithm's position and the layout's (so that across algorithms every driver meets
-    every layout); the round engine's host-memory option for one algorithm in four. The
-    other cells run with -m slow."""
-    if layout == "replicated":
-        return True
+    the capabilities: every algorithm in every driver and at every layout. The one-device
+    drivers run at the whole layout ("replicated"), their only one; the mesh drivers at the
+    split layouts, one driver per layout taken in turn by the algorithm's position and the
+    layout's (four split layouts: every mesh driver an algorithm runs in meets it, and across
+    algorithms every driver meets every layout); the mesh drivers at the whole layout, and
+    the round engine's host-memory option, for one algorithm in four. The other cells run
+    with -m slow."""
     position = NAMES.index(name)
+    if layout == "replicated":
+        return driver in ON_ONE_DEVICE or position % 4 == 2
     if layout in ENGINE_ONLY:
         return position % 4 == 0
     drivers = [d for d in ON_A_MESH if (name, d) not in NOT_APPLICABLE]
@@ -287,6 +289,7 @@ def clipped_averaging_textbook(problem: tb.Problem, lr, H, rounds, eta, max_norm
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("driver", ["shard_map_sync", "adapter_shard_map", "engine"])
+@pytest.mark.cases("each")  # every driver and every layout by default; all pairs with -m slow
 def test_a_whole_tensor_algorithm_at_every_layout(driver, layout):
     """A global-norm clip needs every element of every leaf: with the state split over data
     or model it still sees whole tensors, so it equals its loop at every layout (the clip

@@ -113,6 +113,7 @@ IDS = [f"{fmt}-R{R}-n{n}-b{block}" for fmt, R, n, block in CASES]
 
 
 @pytest.mark.parametrize("fmt,R,n,block", CASES, ids=IDS)
+@pytest.mark.cases("each")  # every codec, R, size and block by default; all with -m slow
 def test_feedback_through_two_step_matches_textbook(fmt, R, n, block):
     outer = _outer(fmt, block)
     deltas, theta0 = _deltas(R, n, seed=n + R)

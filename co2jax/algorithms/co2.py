@@ -206,7 +206,7 @@ def co2(
       >>> import jax, jax.numpy as jnp, co2jax
       >>> outer = co2jax.co2(learning_rate=1.0, momentum=0.5, clip_threshold=1.5)
       >>> state = jax.vmap(outer.init)(jnp.zeros((2, 1)))
-      >>> sync = jax.vmap(outer.sync, axis_name="replica")
+      >>> sync = jax.jit(jax.vmap(outer.sync, axis_name="replica"))
       >>> params, state = sync(jnp.array([[1.0], [3.0]]), state)
       >>> params  # Delta-bar^(-1) = 0: nothing moves yet
       Array([[0.],

@@ -170,7 +170,7 @@ def cocodc(
       >>> params = {"w": jnp.zeros((2, 1))}          # two replicas
       >>> grads = {"w": jnp.array([[1.0], [3.0]])}   # a fixed gradient each
       >>> state = jax.vmap(tx.init)(params)
-      >>> step = jax.vmap(tx.update, axis_name="replica")
+      >>> step = jax.jit(jax.vmap(tx.update, axis_name="replica"))
       >>> for _ in range(2):  # sent after step 1 (-1, -3), applied after step 2 (-2, -6)
       ...     updates, state = step(grads, state, params)
       ...     params = optax.apply_updates(params, updates)

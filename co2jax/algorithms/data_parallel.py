@@ -33,7 +33,7 @@ def data_parallel(
       >>> import jax, jax.numpy as jnp, optax, co2jax
       >>> opt = co2jax.data_parallel(optax.sgd(1.0))
       >>> state = jax.vmap(opt.init)(jnp.zeros((2, 1)))
-      >>> updates, state = jax.vmap(opt.update, axis_name="replica")(
+      >>> updates, state = jax.jit(jax.vmap(opt.update, axis_name="replica"))(
       ...     jnp.array([[1.0], [3.0]]), state)
       >>> updates
       Array([[-2.],

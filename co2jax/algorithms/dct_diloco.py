@@ -125,7 +125,7 @@ def dct_diloco(
       >>> outer = co2jax.dct_diloco(learning_rate=1.0, decay=0.5, k=1, chunk=2)
       >>> state = jax.vmap(outer.init)(jnp.zeros((2, 2)))
       >>> params = jnp.array([[-1.0, -1.0], [-3.0, -3.0]])  # g_r = (1, 1) and (3, 3)
-      >>> params, state = jax.vmap(outer.sync, axis_name="replica")(params, state)
+      >>> params, state = jax.jit(jax.vmap(outer.sync, axis_name="replica"))(params, state)
       >>> params  # -(g_r + half the shared (2, 2)): the anchors stay replica-local
       Array([[-2., -2.],
              [-4., -4.]], dtype=float32)

@@ -101,7 +101,7 @@ def demo(
       >>> opt = co2jax.demo(0.1, k=1, chunk=2)
       >>> state = jax.vmap(opt.init)(jnp.zeros((2, 2)))
       >>> grads = jnp.array([[1.0, 1.0], [3.0, 1.0]])  # 2 replicas
-      >>> updates, state = jax.vmap(opt.update, axis_name="replica")(grads, state)
+      >>> updates, state = jax.jit(jax.vmap(opt.update, axis_name="replica"))(grads, state)
       >>> updates  # the same signed step on both replicas
       Array([[-0.1, -0.1],
              [-0.1, -0.1]], dtype=float32)

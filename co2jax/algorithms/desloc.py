@@ -112,7 +112,7 @@ def desloc(
       >>> import jax, jax.numpy as jnp, optax, co2jax
       >>> tx = co2jax.desloc(optax.adam(0.1), first_every=1, second_every=2)
       >>> state = jax.vmap(tx.init)(jnp.zeros((2, 1)))
-      >>> _, state = jax.vmap(tx.update, axis_name="replica")(
+      >>> _, state = jax.jit(jax.vmap(tx.update, axis_name="replica"))(
       ...     jnp.array([[1.0], [3.0]]), state)
       >>> state.inner[0].mu   # averaged after step 1: (0.1 * 1 + 0.1 * 3) / 2
       Array([[0.2],

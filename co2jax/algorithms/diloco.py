@@ -57,7 +57,7 @@ def diloco(
       >>> import jax, jax.numpy as jnp, optax, co2jax
       >>> outer = co2jax.diloco(optax.sgd(0.7, momentum=0.9, nesterov=True))
       >>> state = jax.vmap(outer.init)(jnp.zeros((2, 1)))
-      >>> params, state = jax.vmap(outer.sync, axis_name="replica")(
+      >>> params, state = jax.jit(jax.vmap(outer.sync, axis_name="replica"))(
       ...     jnp.array([[1.0], [3.0]]), state)
       >>> params  # 0 - 0.7 * (-2 + 0.9 * -2)
       Array([[2.66],
@@ -102,7 +102,7 @@ def delayed_diloco(
       >>> import jax, jax.numpy as jnp, optax, co2jax
       >>> outer = co2jax.delayed_diloco(optax.sgd(1.0), delay=1)
       >>> state = jax.vmap(outer.init)(jnp.zeros((2, 1)))
-      >>> sync = jax.vmap(outer.sync, axis_name="replica")
+      >>> sync = jax.jit(jax.vmap(outer.sync, axis_name="replica"))
       >>> params, state = sync(jnp.array([[1.0], [3.0]]), state)
       >>> params  # the first average lands one round late
       Array([[0.],
@@ -170,7 +170,7 @@ def eager_diloco(
       >>> import jax, jax.numpy as jnp, optax, co2jax
       >>> outer = co2jax.eager_diloco(optax.sgd(1.0))
       >>> state = jax.vmap(outer.init)(jnp.zeros((2, 1)))
-      >>> params, state = jax.vmap(outer.sync, axis_name="replica")(
+      >>> params, state = jax.jit(jax.vmap(outer.sync, axis_name="replica"))(
       ...     jnp.array([[1.0], [3.0]]), state)
       >>> params  # each replica applies its own Delta_r / R eagerly
       Array([[0.5],

@@ -100,7 +100,7 @@ def diloco_x(
       >>> import jax, jax.numpy as jnp, optax, co2jax
       >>> outer = co2jax.diloco_x(optax.sgd(1.0), rank=1)
       >>> state = jax.vmap(outer.init)({"w": jnp.zeros((2, 4, 8))})
-      >>> sync = jax.vmap(outer.sync, axis_name="replica")
+      >>> sync = jax.jit(jax.vmap(outer.sync, axis_name="replica"))
       >>> params, state = sync({"w": jnp.ones((2, 4, 8))}, state)
       >>> float(params["w"].max())  # nothing has arrived yet: one round of delay
       0.0

@@ -76,7 +76,7 @@ def error_feedback(outer: OuterOptimizer, decay: float = 1.0, scale: float = 1.0
       >>> reduce = comm.all_gather_compressed(comm.topk(1, chunk=2))
       >>> outer = co2jax.error_feedback(co2jax.diloco(optax.sgd(1.0), reduce=reduce))
       >>> state = jax.vmap(outer.init)(jnp.zeros((2, 2)))
-      >>> params, state = jax.vmap(outer.sync, axis_name="replica")(
+      >>> params, state = jax.jit(jax.vmap(outer.sync, axis_name="replica"))(
       ...     jnp.array([[-1.0, -0.5], [-1.0, -0.5]]), state)
       >>> params[0], state.residuals[0][0]  # the 0.5 left out waits for the next round
       (Array([-1.,  0.], dtype=float32), Array([0. , 0.5], dtype=float32))

@@ -65,7 +65,7 @@ def skip_nonfinite(outer: OuterOptimizer) -> OuterOptimizer:
       >>> import jax, jax.numpy as jnp, co2jax
       >>> outer = co2jax.skip_nonfinite(co2jax.local_sgd())
       >>> state = jax.vmap(outer.init)(jnp.zeros((2, 1)))
-      >>> params, state = jax.vmap(outer.sync, axis_name="replica")(
+      >>> params, state = jax.jit(jax.vmap(outer.sync, axis_name="replica"))(
       ...     jnp.array([[1.0], [jnp.nan]]), state)
       >>> params, state.num_skipped
       (Array([[0.],

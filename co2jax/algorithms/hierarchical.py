@@ -103,7 +103,7 @@ def hierarchical_diloco(
       >>> outer = co2jax.hierarchical_diloco(optax.sgd(1.0), optax.sgd(1.0), regions=2,
       ...                                    global_every=2)
       >>> state = jax.vmap(outer.init)(jnp.zeros((4, 1)))
-      >>> sync = jax.vmap(outer.sync, axis_name="replica")
+      >>> sync = jax.jit(jax.vmap(outer.sync, axis_name="replica"))
       >>> params, state = sync(jnp.array([[1.0], [3.0], [5.0], [7.0]]), state)
       >>> params.ravel()  # round 0: each region takes its own mean
       Array([2., 2., 6., 6.], dtype=float32)

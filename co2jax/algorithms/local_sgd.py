@@ -39,7 +39,7 @@ def local_sgd(*, axis_name: str = REPLICA, reduce: Reducer | None = None) -> Out
       >>> outer = co2jax.local_sgd()
       >>> state = jax.vmap(outer.init)(jnp.zeros((2, 1)))   # two replicas, anchor 0
       >>> local = jnp.array([[1.0], [3.0]])                 # after their inner steps
-      >>> params, state = jax.vmap(outer.sync, axis_name="replica")(local, state)
+      >>> params, state = jax.jit(jax.vmap(outer.sync, axis_name="replica"))(local, state)
       >>> params
       Array([[2.],
              [2.]], dtype=float32)

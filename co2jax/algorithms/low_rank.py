@@ -100,7 +100,7 @@ def low_rank(
       >>> params = {"w": jnp.zeros((2, 3, 4))}  # two replicas, one 3x4 matrix
       >>> state = jax.vmap(outer.init)(params)
       >>> delta = jnp.stack([jnp.eye(3, 4), 2 * jnp.eye(3, 4)])  # rank 3 each
-      >>> params, state = jax.vmap(outer.sync, axis_name="replica")({"w": -delta}, state)
+      >>> params, state = jax.jit(jax.vmap(outer.sync, axis_name="replica"))({"w": -delta}, state)
       >>> int(jnp.linalg.matrix_rank(state.residuals[0]["w"][0]))  # rank 1 sent, 2 kept
       2
 

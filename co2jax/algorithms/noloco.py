@@ -89,7 +89,7 @@ def noloco(
       >>> import jax, jax.numpy as jnp, co2jax
       >>> outer = co2jax.noloco(1.0, 0.0, group_size=2, sync_every=1)
       >>> state = jax.vmap(outer.init)(jnp.zeros((2, 1)))
-      >>> params, state = jax.vmap(outer.sync, axis_name="replica")(
+      >>> params, state = jax.jit(jax.vmap(outer.sync, axis_name="replica"))(
       ...     jnp.array([[1.0], [3.0]]), state)
       >>> params  # two replicas form one group: both take the group's mean step
       Array([[2.],

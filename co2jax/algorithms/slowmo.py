@@ -96,7 +96,7 @@ def slowmo(
       >>> import jax, jax.numpy as jnp, co2jax
       >>> outer = co2jax.slowmo(inner_learning_rate=0.1, slow_momentum=0.5)
       >>> state = jax.vmap(outer.init)(jnp.zeros((2, 1)))
-      >>> params, state = jax.vmap(outer.sync, axis_name="replica")(
+      >>> params, state = jax.jit(jax.vmap(outer.sync, axis_name="replica"))(
       ...     jnp.array([[1.0], [3.0]]), state)
       >>> params
       Array([[2.],

@@ -84,14 +84,14 @@ def sparseloco(
       >>> import jax, jax.numpy as jnp, co2jax
       >>> outer = co2jax.sparseloco(k=1, chunk=2, quantize=False)
       >>> state = jax.vmap(outer.init)(jnp.zeros((2, 2)))
-      >>> params, state = jax.vmap(outer.sync, axis_name="replica")(
+      >>> params, state = jax.jit(jax.vmap(outer.sync, axis_name="replica"))(
       ...     jnp.array([[1.0, 0.1], [0.2, -3.0]]), state)
       >>> params  # each index averaged over the one replica that sent it
       Array([[ 1., -3.],
              [ 1., -3.]], dtype=float32)
       >>> outer = co2jax.sparseloco(mode="production", k=2, chunk=4)
       >>> state = jax.vmap(outer.init)({"w": jnp.zeros((1, 4))})  # one replica
-      >>> params, state = jax.vmap(outer.sync, axis_name="replica")(
+      >>> params, state = jax.jit(jax.vmap(outer.sync, axis_name="replica"))(
       ...     {"w": jnp.array([[-4.0, 0.5, 1.0, 2.0]])}, state)
       >>> params["w"][0], state.residuals[0]["w"][0]  # Delta's 4 and -2 share a bin
       (Array([-1.,  0.,  0., -1.], dtype=float32), Array([ 3. , -0.5, -1. , -3. ], dtype=float32))

@@ -129,7 +129,7 @@ def sparta(
       >>> tx = co2jax.sparta(optax.sgd(0.0), fraction=1.0)   # p = 1: every entry
       >>> params = jnp.array([[1.0, 2.0], [3.0, 6.0]])       # two replicas
       >>> state = jax.vmap(tx.init)(params)
-      >>> updates, state = jax.vmap(tx.update, axis_name="replica")(
+      >>> updates, state = jax.jit(jax.vmap(tx.update, axis_name="replica"))(
       ...     jnp.zeros_like(params), state, params)
       >>> params + updates
       Array([[2., 4.],

@@ -32,7 +32,7 @@ Example:
   ...         acc = chunks.put(acc, c, chunks.reduce(plan, reducer, chunks.take(buffer, c)))
   ...     return chunks.finish(plan, acc)
   >>> two = {"a": jnp.stack([jnp.arange(5.0), jnp.zeros(5)])}
-  >>> jax.vmap(spread, axis_name="replica")(two)["a"][0]
+  >>> jax.jit(jax.vmap(spread, axis_name="replica"))(two)["a"][0]
   Array([0. , 0.5, 1. , 1.5, 2. ], dtype=float32)
 """
 

@@ -96,7 +96,7 @@ def all_gather_compressed(codec: Codec, axis_name: str = REPLICA) -> Reducer:
       >>> import jax, jax.numpy as jnp
       >>> from co2jax.comm import two_bit
       >>> reduce = all_gather_compressed(two_bit(block=4))
-      >>> jax.vmap(reduce, axis_name="replica")(jnp.array([[1.0, 0.2], [-3.0, 3.0]]))
+      >>> jax.jit(jax.vmap(reduce, axis_name="replica"))(jnp.array([[1.0, 0.2], [-3.0, 3.0]]))
       Array([[-1. ,  1.5],
              [-1. ,  1.5]], dtype=float32)
     """
@@ -151,7 +151,7 @@ def all_reduce_compressed(codec: Codec, axis_name: str = REPLICA) -> Reducer:
       >>> import jax, jax.numpy as jnp
       >>> from co2jax.comm import int8
       >>> reduce = all_reduce_compressed(int8(block=2))
-      >>> jax.vmap(reduce, axis_name="replica")(jnp.array([[1.0, 0.5], [3.0, -0.5]]))
+      >>> jax.jit(jax.vmap(reduce, axis_name="replica"))(jnp.array([[1.0, 0.5], [3.0, -0.5]]))
       Array([[2., 0.],
              [2., 0.]], dtype=float32)
       >>> from co2jax.comm import two_bit  # what one replica transmits: blocks of 4, any R
@@ -214,7 +214,7 @@ def all_gather_topk(
     Example:
       >>> import jax, jax.numpy as jnp
       >>> reduce = all_gather_topk(1, chunk=2)
-      >>> jax.vmap(reduce, axis_name="replica")(jnp.array([[4.0, 0.0], [2.0, 1.0]]))
+      >>> jax.jit(jax.vmap(reduce, axis_name="replica"))(jnp.array([[4.0, 0.0], [2.0, 1.0]]))
       Array([[3., 0.],
              [3., 0.]], dtype=float32)
     """

@@ -231,7 +231,7 @@ def all_gather_dct_topk(k: int = 32, chunk: int = 64, axis_name: str = REPLICA) 
       >>> import jax, jax.numpy as jnp
       >>> reduce = all_gather_dct_topk(k=1, chunk=2)
       >>> x = jnp.array([[1.0, 1.0], [3.0, 3.0]])  # 2 replicas: DC terms sqrt(2), 3 sqrt(2)
-      >>> jax.vmap(reduce, axis_name="replica")(x)
+      >>> jax.jit(jax.vmap(reduce, axis_name="replica"))(x)
       Array([[2., 2.],
              [2., 2.]], dtype=float32)
 

@@ -383,7 +383,7 @@ def all_gather_topk_quantized(
       >>> x = jnp.array([[3.0, 0, 0, -3, 0, 0, 0, 0], [0, 0, 0, 0, 1, 0, 0, -1]])
       >>> # replica 1 keeps indices 4, 7 and (ties) 0, 1; replica 0's norm is clipped to
       >>> # replica 1's (a third of it); index 0 is averaged over both, index 3 is not
-      >>> jax.vmap(reduce, axis_name="replica")(x)[0]
+      >>> jax.jit(jax.vmap(reduce, axis_name="replica"))(x)[0]
       Array([ 0.5,  0. ,  0. , -1. ,  1. ,  0. ,  0. , -1. ], dtype=float32)
     """
     k = check_int("k", k, 2)

@@ -100,7 +100,7 @@ def local_updates(
       >>> params = jnp.zeros((2, 1))              # two replicas
       >>> state = jax.vmap(tx.init)(params)
       >>> grads = jnp.array([[-1.0], [-3.0]])     # different data on each replica
-      >>> step = jax.vmap(tx.update, axis_name="replica")
+      >>> step = jax.jit(jax.vmap(tx.update, axis_name="replica"))
       >>> for _ in range(2):
       ...     updates, state = step(grads, state, params)
       ...     params = optax.apply_updates(params, updates)
