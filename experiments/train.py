@@ -179,9 +179,9 @@ def _train_claimed(
         )
     eval_fn, eval_batch = run.eval_fn
     every_step = registry.capabilities(cfg.outer.algorithm).every_step
-    # the inner lr at each round's end, evaluated once (op by op, a schedule costs a few
-    # dispatches a round: more than a small model's round on CPU)
-    inner_lrs = np.asarray(jax.vmap(run.schedule)(np.arange(1, t.rounds + 1) * H))
+    # the inner lr at each round's end, evaluated once in one program (op by op, a schedule
+    # costs a dispatch, and a compile, per operation: more than a small model's round on CPU)
+    inner_lrs = np.asarray(jax.jit(jax.vmap(run.schedule))(np.arange(1, t.rounds + 1) * H))
     last_skipped = cfg.outer.recorded(state.outer_state).get("skipped") or 0
     saved, skipped_run = (start or None), 0
     try:
