@@ -119,7 +119,11 @@ def collectives(hlo: str) -> list[Collective]:
             for dt, dims in _SHAPE.findall(m.group("type"))
             if dt in _DTYPE_BYTES
         )
-        if m.group("start") and m.group("op") != "collective-permute" and len(shapes) > 1:
+        if m.group("start") and m.group("op") == "collective-permute":
+            # (operands..., results..., u32[] contexts): the contexts are not sent
+            while len(shapes) > 2 and shapes[-1] == ("u32", ()):
+                shapes = shapes[:-1]
+        if m.group("start") and len(shapes) > 1:
             # async start ops return (operands..., results...): keep the results half
             shapes = shapes[len(shapes) // 2 :]
         out.append(Collective(m.group("op"), bool(m.group("start")), groups, shapes, computation))

@@ -126,6 +126,18 @@ def test_hybrid_replicas_in_slice_part_is_counted_beside_the_cross_slice_part():
         ("%a = f32[100]{0} all-gather(%x), replica_groups={{0,1,2,3}}, dimensions={0}", 300),
         ("%a = f32[25]{0} reduce-scatter(%x), replica_groups={{0,1,2,3}}, dimensions={0}", 300),
         ("%a = f32[100]{0} collective-permute(%x), source_target_pairs={{0,1},{1,0}}", 400),
+        # XLA:TPU's asynchronous permute: (operand, result, two u32 contexts), as compiled
+        (
+            "%p = (bf16[1572864]{0:T(1024)(128)(2,1)}, bf16[1572864]{0:T(1024)(128)(2,1)}, "
+            "u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%f), channel_id=1, "
+            "source_target_pairs={{0,6},{2,0},{4,2},{6,4},{1,7},{3,1},{5,3},{7,5}}",
+            2 * 1572864,
+        ),
+        (
+            "%g = (f32[8]{0}, f32[32]{0}) all-gather-start(%y), replica_groups={{0,1,2,3}}, "
+            "dimensions={0}",
+            96,
+        ),
     ],
 )
 def test_bytes_one_device_sends(line, sent):
