@@ -380,7 +380,7 @@ SPREAD_CASES = [c for c in CASES if c.make().overlapped]
 
 
 @pytest.mark.parametrize("layout", ["whole", "shard_outer_state"])
-@pytest.mark.parametrize("reducer", ["pmean", "all_gather"])
+@pytest.mark.parametrize("reducer", ["pmean", "all_gather", "staged"])
 @pytest.mark.parametrize("case", SPREAD_CASES, ids=[c.name for c in SPREAD_CASES])
 @pytest.mark.cases("first", 9)
 def test_spread_round_equals_unspread(case, reducer, layout, problem, mesh):

@@ -2,11 +2,14 @@
 
 Drivers: the round-level ``outer.sync`` under ``jax.vmap`` and mapped over the replica axis of
 a mesh (``co2jax.mesh.replica_map``), the per-step adapter (``local_updates``) under both, the
-round engine, and the round engine with the fused Pallas update (interpreter) where the
-algorithm is fusable. Layouts (the mesh drivers): the state whole in each replica
-("replicated"), the outer state split over ``data`` ("sharded"), parameters and inner state
-split over ``data`` too ("fsdp"), a parameter split over ``model`` (tensor parallel, "tp"),
-and both ("fsdp_tp": one parameter over ``data``, the other over ``model``). Every cell
+round engine, the round engine with the fused Pallas update (interpreter) where the
+algorithm is fusable, and the round engine with its overlapped transfers in a chunk per step,
+each reduced in two stages at consecutive steps (``reducer="staged"``, what it chooses on TPU
+from R = 3: ``co2jax.comm.staged``) where the algorithm reduces by an exact mean. Layouts
+(the mesh drivers): the state whole in each replica ("replicated"), the outer state split
+over ``data`` ("sharded"), parameters and inner state split over ``data`` too ("fsdp"), a
+parameter split over ``model`` (tensor parallel, "tp"), and both ("fsdp_tp": one parameter
+over ``data``, the other over ``model``). Every cell
 matches ``textbook.REGISTERED`` at rtol 1e-5 (float32): a layout changes no value, and no
 algorithm is another one on a split tensor. Separate jobs (``JobTrainer``) are checked
 against the round engine in ``test_multijob.py``. A cell that cannot be run says why in
@@ -44,7 +47,7 @@ LAYOUTS = {
 }
 ENGINE_ONLY = {"sharded_offload": ("engine",)}  # a layout only the round engine offers
 ON_ONE_DEVICE = ("vmap_sync", "adapter")
-ON_A_MESH = ("shard_map_sync", "adapter_shard_map", "engine", "engine_fused")
+ON_A_MESH = ("shard_map_sync", "adapter_shard_map", "engine", "engine_fused", "engine_staged")
 DRIVERS = ON_ONE_DEVICE + ON_A_MESH
 NOT_APPLICABLE = {
     ("streaming_diloco", "vmap_sync"): "applies fragments during the round: no round-level sync",
@@ -62,6 +65,20 @@ NOT_APPLICABLE.update(
      list(NOT_APPLICABLE.items()) if n == base}
 )  # fmt: skip
 NAMES = (*registry.NAMES, *tb.VARIANTS)
+
+
+def _reduces_exactly(name: str) -> bool:
+    problem = tb.make_problem(replicas=2, examples=2, dim=16, seed=5)
+    return harness.registered(name, problem, LR, H)[0].reducer.exact
+
+
+NOT_APPLICABLE.update(
+    {
+        (name, "engine_staged"): "its own reduction is not an exact mean: nothing to stage"
+        for name in NAMES
+        if not _reduces_exactly(name)
+    }
+)
 CELLS = [
     (n, d, layout)
     for n in NAMES
@@ -75,22 +92,29 @@ CELLS = [
 SPLIT = [lay for lay in LAYOUTS if lay != "replicated" and lay not in ENGINE_ONLY]
 
 
+def mesh_drivers(name: str) -> list[str]:
+    return [d for d in ON_A_MESH if (name, d) not in NOT_APPLICABLE]
+
+
 def runs_by_default(name: str, driver: str, layout: str) -> bool:
     """The matrix's share of the default suite (``tests/budget.py``), from the registry and
     the capabilities: every algorithm in every driver and at every layout. The one-device
     drivers run at the whole layout ("replicated"), their only one; the mesh drivers at the
-    split layouts, one driver per layout taken in turn by the algorithm's position and the
-    layout's (four split layouts: every mesh driver an algorithm runs in meets it, and across
-    algorithms every driver meets every layout); the mesh drivers at the whole layout, and
-    the round engine's host-memory option, for one algorithm in four. The other cells run
-    with -m slow."""
+    split layouts, one driver per layout taken in turn by the algorithm's position among
+    those with the same drivers and the layout's (across algorithms every driver meets every
+    layout), and at the whole layout
+    any mesh driver the turns leave out for this algorithm (five mesh drivers, four split
+    layouts); every mesh driver at the whole layout, and the round engine's host-memory
+    option, for one algorithm in four. The other cells run with -m slow."""
     position = NAMES.index(name)
-    if layout == "replicated":
-        return driver in ON_ONE_DEVICE or position % 4 == 2
+    drivers = mesh_drivers(name)
+    turn = [n for n in NAMES if mesh_drivers(n) == drivers].index(name)  # among its likes
+    turns = [drivers[(turn + j) % len(drivers)] for j in range(len(SPLIT))]
+    if layout == "replicated":  # and a mesh driver the split layouts' turns leave out
+        return driver in ON_ONE_DEVICE or position % 4 == 2 or driver not in turns
     if layout in ENGINE_ONLY:
         return position % 4 == 0
-    drivers = [d for d in ON_A_MESH if (name, d) not in NOT_APPLICABLE]
-    return driver == drivers[(position + SPLIT.index(layout)) % len(drivers)]
+    return driver == turns[SPLIT.index(layout)]
 
 
 def problem_for(layout: str) -> tb.Problem:
@@ -198,6 +222,12 @@ def run(name, driver, layout, problem):
         assert trainer.program(state).reducer_kind == "all_gather"
         return got
     outer, inner = harness.registered(name, problem, LR, H)
+    if driver == "engine_staged":  # every overlapped transfer in a chunk per step it spans
+        got, trainer, state = _engine(
+            outer, inner, problem, mesh, layout, reducer="staged", spread=H
+        )
+        assert set(trainer.program(state).plan.kinds) <= {"staged"}  # DDP: no transfer
+        return got
     if driver == "shard_map_sync":
         return _sync(outer, inner, problem, mesh, layout)
     if driver == "adapter_shard_map":

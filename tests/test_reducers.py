@@ -64,6 +64,9 @@ def test_shard_map_equals_mean(kind):
     expected = {"pmean": "all-reduce", "all_gather": "all-gather", "ring": None}.get(kind)
     if kind == "scatter_gather":  # the reduce-scatter as an all-to-all, then the all-gather
         assert {"all-to-all", "all-gather"} <= ops and "all-reduce" not in ops
+    elif kind == "staged":  # the reduce-scatter as permutes (pairs), then the all-gather
+        assert any(c.op == "collective-permute" for c in co2jax.hlo.collectives(hlo))
+        assert "all-gather" in ops and not ops & {"all-reduce", "all-to-all"}
     elif expected:
         assert expected in ops
     else:  # a ring of collective-permutes: pairs, not groups
@@ -97,6 +100,39 @@ def test_wire_bytes():
     assert comm.pmean().wire_bytes(bf16, 4) == 75.0
     assert comm.ring_mean().wire_bytes(bf16, 4) == 150.0  # summed and sent in float32
     assert comm.all_gather_mean().wire_bytes(bf16, 4) == 150.0  # gathered in bfloat16
+    assert comm.exact_mean("staged").wire_bytes(bf16, 4) == 75.0  # the ring's, in bfloat16
+
+
+@pytest.mark.parametrize("R", [2, 3, 4, 8])
+def test_the_exchange_by_permutes_is_the_all_to_all(R):
+    """The staged mean's reduce-scatter sends piece j to replica j by R - 1 permutes:
+    bit for bit what ``lax.all_to_all`` delivers, under vmap and over the replica axis of a
+    mesh (R x 1 devices)."""
+    from co2jax.comm.staged import exchange
+
+    pieces = jnp.asarray(np.random.default_rng(R).normal(size=(R, R, 5)), jnp.float32)
+    a2a = lambda q: jax.lax.all_to_all(q, "replica", 0, 0)
+    for_vmap = lambda f: jax.jit(jax.vmap(f, axis_name="replica"))(pieces)
+    want = np.asarray(for_vmap(a2a))
+    np.testing.assert_array_equal(np.asarray(for_vmap(exchange)), want)
+    mesh = harness.make_mesh(replica=R, data=1)
+    on_mesh = lambda f: jax.jit(
+        jax.shard_map(lambda q: f(q[0])[None], mesh=mesh, in_specs=P("replica"),
+                      out_specs=P("replica"))
+    )(harness.place(pieces, mesh, P("replica")))  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(on_mesh(exchange)), want)
+
+
+@pytest.mark.parametrize("R, n", [(3, 1), (4, 22), (8, 61)])
+def test_staged_stages_apart_equal_the_mean(R, n):
+    """The two stages run apart (the shard carried between them, as a round carries it
+    from one step to the next) give the mean, for sizes that R does not divide."""
+    x = jnp.asarray(np.random.default_rng(n).normal(size=(R, n)), jnp.float32)
+    stages = comm.exact_mean("staged").stages
+    shards = jax.jit(jax.vmap(lambda v: stages.scatter([v]), axis_name="replica"))(x)
+    assert shards[0].shape == (R, stages.shard_rows(n, R))
+    got = jax.jit(jax.vmap(lambda s: stages.gather(s, [n]), axis_name="replica"))(shards)
+    np.testing.assert_allclose(got[0], np.broadcast_to(np.asarray(x).mean(0), x.shape), **TOL)
 
 
 @pytest.mark.parametrize("kind", comm.EXACT)

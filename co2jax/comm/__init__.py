@@ -32,16 +32,15 @@ from co2jax.comm.dct import (
 )
 from co2jax.comm.gossip import gossip_groups, gossip_mean, gossip_payload
 from co2jax.comm.lowrank import FACTORS, all_gather_low_rank, encode_factors, initial_factors
+from co2jax.comm.means import EXACT, exact_mean
 from co2jax.comm.participation import check_weights, token_weights, weighted
 from co2jax.comm.reducer import (
-    EXACT,
     Encoded,
     Reducer,
     all_gather_mean,
     all_gather_stacked,
     all_gather_tree,
     as_reducer,
-    exact_mean,
     gather_bytes,
     pmean,
     ring_bytes,
@@ -59,6 +58,7 @@ from co2jax.comm.sparse_quant import (
     dequantize_values,
     quantize_values,
 )
+from co2jax.comm.staged import exchange, staged_mean
 
 __all__ = [
     "check_weights",
@@ -110,6 +110,8 @@ __all__ = [
     "quantize_values",
     "ring_bytes",
     "ring_mean",
+    "staged_mean",
+    "exchange",
     "topk",
     "two_bit",
     "values",

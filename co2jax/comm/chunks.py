@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from co2jax.axes import REPLICA
+from co2jax.axes import REPLICA, axis_size
 from co2jax.comm.reducer import Encoded, Grouped, Reducer, values
 from co2jax.tree import common_dtype, flatten
 
@@ -250,9 +250,15 @@ def reduce(plan: Plan, reducer: Reducer, piece: list) -> list[jax.Array]:
     reduced slices inside the replica (its fast links) where the whole chunk is read. Left to
     the compiler, a chunk replicated inside the replica crosses the replica axis once per
     device (measured on TPU AOT: ``docs/overlap.md``)."""
-    whole = lambda p, at=plan: list(values(reducer.reduce(as_payload(at, p))))
+    whole = lambda p, at: list(values(reducer.reduce(as_payload(at, p))))
+    return _per_device(plan, whole, piece)
+
+
+def _per_device(plan: Plan, fn, tree: list) -> list:
+    """``fn(tree, plan)`` on the whole chunk, or with ``plan.shards > 1`` on each device's
+    slice of it (its rows; :func:`reduce`), each group's result split the same way."""
     if plan.shards == 1:
-        return whole(piece)
+        return fn(tree, plan)
     mesh = jax.sharding.get_abstract_mesh()
     inner = tuple(a for a in mesh.axis_names if a != REPLICA and mesh.shape[a] > 1)
     if math.prod(mesh.shape[a] for a in inner) != plan.shards:
@@ -266,12 +272,40 @@ def reduce(plan: Plan, reducer: Reducer, piece: list) -> list[jax.Array]:
         local = plan._replace(piece_form=dataclasses.replace(plan.piece_form, shapes=shapes))
     split = jax.sharding.PartitionSpec(inner)
     return jax.shard_map(
-        lambda p: whole(p, local),
+        lambda t: fn(t, local),
         mesh=mesh,
-        in_specs=(jax.tree.map(lambda _: split, list(piece)),),
+        in_specs=(jax.tree.map(lambda _: split, list(tree)),),
         out_specs=[split] * len(plan.units),
         axis_names=set(inner),
-    )(list(piece))
+    )(list(tree))
+
+
+def _local_rows(plan: Plan, g: int) -> int:
+    """Rows (units, or elements of a flat vector) of group ``g``'s chunk on one device."""
+    rows = plan.units[g] if plan.lanes and plan.lanes[g] else plan.elements(g)
+    return rows // plan.shards
+
+
+def scatter(plan: Plan, reducer: Reducer, piece: list) -> list[jax.Array]:
+    """Stage one of a staged reducer (:mod:`co2jax.comm.staged`) on one chunk: per group,
+    this replica's share of the chunk's mean (per device with ``plan.shards > 1``)."""
+    return _per_device(plan, lambda p, _: reducer.stages.scatter(list(p)), piece)
+
+
+def gather(plan: Plan, reducer: Reducer, shards: list) -> list[jax.Array]:
+    """Stage two: the shares of one chunk gathered into its reduced vectors."""
+    rows = [_local_rows(plan, g) for g in range(len(plan.units))]
+    return _per_device(plan, lambda s, _: reducer.stages.gather(list(s), rows), shards)
+
+
+def shard_zeros(plan: Plan, replicas: int, stages: Any) -> list[jax.Array]:
+    """Per group, a zero share of one chunk (what a round gathers at its first step, before
+    any chunk is scattered)."""
+    out = []
+    for g in range(len(plan.units)):
+        rows = stages.shard_rows(_local_rows(plan, g), replicas) * plan.shards
+        out.append(jnp.zeros((rows, *plan.piece_shape(g)[1:]), plan.dtypes[g]))
+    return out
 
 
 def piece_values(plan: Plan, piece: list) -> list[jax.Array]:
@@ -322,18 +356,29 @@ class Buffer(NamedTuple):
         chunk is replaced by its reduction once reduced (no second buffer).
       acc: per group, an encoded payload's reduced chunks (:func:`zeros`, ``[K, ...]``);
         ``None`` for a plain payload.
+      shard: staged (:func:`fill` with ``staged=True``): per group, this replica's share of
+        the chunk scattered at the step before, gathered at the next (:func:`reduce_chunk`);
+        ``None`` otherwise.
     """
 
     wire: list
     acc: list | None
+    shard: list | None = None
 
 
-def fill(plan: Plan, payload: Any, like=None) -> Buffer:
+def fill(plan: Plan, payload: Any, like=None, reducer: Reducer | None = None) -> Buffer:
     """The buffer of ``payload`` before any chunk is reduced. ``like(zeros, refs)`` types an
-    encoded payload's accumulator as its wire arrays (a loop's carry keeps its types)."""
+    encoded payload's accumulator as its wire arrays (a loop's carry keeps its types).
+    ``reducer``: a staged one (its ``stages`` set; a plain payload) is run in its two
+    stages at consecutive steps (:func:`reduce_chunk`); any other, or none, whole."""
     wire = split(plan, payload)
     if not plan.encoded:
-        return Buffer(wire, None)
+        if reducer is None or reducer.stages is None:
+            return Buffer(wire, None)
+        shard = shard_zeros(plan, axis_size(REPLICA), reducer.stages)
+        if like is not None:
+            shard = like(shard, [jax.tree.leaves(w)[0] for w in wire])
+        return Buffer(wire, None, shard)
     acc = zeros(plan)
     if like is not None:
         acc = like(acc, [jax.tree.leaves(w)[0] for w in wire])
@@ -342,7 +387,22 @@ def fill(plan: Plan, payload: Any, like=None) -> Buffer:
 
 def reduce_chunk(plan: Plan, reducer: Reducer, buffer: Buffer, c: Any) -> tuple:
     """Chunk ``c`` of ``buffer`` reduced: ``(buffer, piece, reduced)`` with the reduction
-    written in, the chunk as sent, and its reduced vectors."""
+    written in, the chunk as sent, and its reduced vectors.
+
+    Staged (``buffer.shard`` set): step ``c`` gathers chunk ``c - 1`` (scattered at the
+    step before) and scatters chunk ``c``, two collectives that do not wait on each other;
+    it returns chunk ``c - 1`` as sent and reduced (zeros at ``c = 0``, where the gather is
+    of the zero share: one gather's bytes spent for nothing), and :func:`drain` gathers the
+    last chunk."""
+    if buffer.shard is not None:
+        arrived = gather(plan, reducer, buffer.shard)
+        before, after_first = jnp.maximum(c - 1, 0), c > 0
+        held = take(buffer.wire, before)  # chunk c - 1 as sent (at c = 0: chunk 0, kept)
+        pairs = zip(arrived, held, strict=True)
+        kept = [jnp.where(after_first, a.astype(h.dtype), h) for a, h in pairs]
+        sent = [h * after_first.astype(h.dtype) for h in held]
+        shard = scatter(plan, reducer, take(buffer.wire, c))
+        return Buffer(put(buffer.wire, before, kept), None, shard), sent, arrived
     piece = take(buffer.wire, c)
     reduced = reduce(plan, reducer, piece)
     if plan.encoded:
@@ -350,6 +410,19 @@ def reduce_chunk(plan: Plan, reducer: Reducer, buffer: Buffer, c: Any) -> tuple:
     return buffer._replace(wire=put(buffer.wire, c, reduced)), piece, reduced
 
 
+def drain(plan: Plan, reducer: Reducer, buffer: Buffer) -> tuple:
+    """A staged buffer's last chunk gathered (after its last step): ``(buffer, piece,
+    reduced)`` as :func:`reduce_chunk`'s; ``None`` for a buffer that is not staged."""
+    if buffer.shard is None:
+        return None
+    last = plan.chunks - 1
+    arrived = gather(plan, reducer, buffer.shard)
+    sent = take(buffer.wire, last)
+    return Buffer(put(buffer.wire, last, arrived), None, None), sent, arrived
+
+
 def result(plan: Plan, buffer: Buffer) -> Any:
-    """The reduced payload once every chunk of ``buffer`` is reduced."""
+    """The reduced payload once every chunk of ``buffer`` is reduced (and drained)."""
+    if buffer.shard is not None:
+        raise ValueError("a staged buffer's last chunk is still scattered: drain it first")
     return finish(plan, buffer.acc if plan.encoded else buffer.wire)

@@ -18,14 +18,8 @@ from typing import Any
 
 from co2jax._checks import check_choice
 from co2jax.axes import bound_axis_size
-from co2jax.comm.reducer import (
-    EXACT,
-    Encoded,
-    Payload,
-    Reducer,
-    all_gather_stacked,
-    exact_mean,
-)
+from co2jax.comm.means import EXACT, exact_mean
+from co2jax.comm.reducer import Encoded, Payload, Reducer, all_gather_stacked
 from co2jax.kernels.api import resolve
 
 CHOICES = ("auto", "outer", *EXACT)
@@ -93,10 +87,16 @@ def chunk_shards(devices_per_replica: int) -> int:
     return max(1, int(devices_per_replica))
 
 
-def chunk_kind(platform: str) -> str:
+def chunk_kind(platform: str, replicas: int = 2) -> str:
     """The exact mean for one chunk: on TPU the all-gather, whose chunk is asynchronous under
     its step's compute at R = 2, 4 and 8 (the ppermute ring's dependent steps hide 14-33% of
-    its bytes there: measured at 100M parameters, v5e 2x4); elsewhere the all-reduce."""
+    its bytes there: measured at 100M parameters, v5e 2x4); elsewhere the all-reduce.
+
+    The all-gather sends R - 1 times the chunk (2x a ring's bytes at R = 4, 4x at 8); the
+    staged mean (``reducer="staged"``, :mod:`co2jax.comm.staged`) sends a ring's, in two
+    asynchronous stages at consecutive steps. It becomes the default here once its schedule
+    is measured at R = 8 and 16 and over several slices (``docs/overlap.md``)."""
+    del replicas  # the staged mean's measurements decide how R enters
     return "all_gather" if platform == "tpu" else "pmean"
 
 
@@ -147,7 +147,7 @@ def select(
         kind = (
             auto_kind(platform, replicas, overlapped, payload_elements)
             if whole
-            else chunk_kind(platform)
+            else chunk_kind(platform, replicas)
         )
     if kind == "all_gather" and accepts_gathered and whole:
         # the R payloads go to the outer update un-reduced: a fused update averages them in

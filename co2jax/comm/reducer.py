@@ -11,6 +11,9 @@ exact means differ only in how the compiler can schedule them (``docs/overlap.md
   receives (R-1) payloads, versus 2(R-1)/R for a ring all-reduce: best for small R.
 - :func:`ring_mean`: a ring of ``ppermute`` steps (reduce-scatter then all-gather, R-1 steps
   each) on the flattened payload, summed in float32.
+- :func:`co2jax.comm.staged.staged_mean`: a reduce-scatter by direct sends, then an
+  all-gather: the ring's bytes in two asynchronous stages, which a round may run at
+  consecutive inner steps.
 - :func:`all_gather_stacked`: the all-gather left un-reduced (:class:`co2jax.kernels.Gathered`),
   for an outer update that averages the R payloads in its own pass.
 
@@ -31,7 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from co2jax._checks import check_axis_name, check_choice
+from co2jax._checks import check_axis_name
 from co2jax.axes import REPLICA, axis_size
 from co2jax.kernels import quantize as qk
 from co2jax.kernels.api import gather_layout
@@ -48,7 +51,6 @@ from co2jax.tree import (
 )
 
 Payload = Any
-EXACT = ("pmean", "all_gather", "ring", "scatter_gather")
 
 
 class Reducer(NamedTuple):
@@ -79,6 +81,9 @@ class Reducer(NamedTuple):
         on their own gives those units of the whole reduction: an exact mean, or a gather of
         a codec that encodes each block on its own. A driver may then split a payload over
         a replica's devices (:func:`co2jax.comm.chunks.reduce`).
+      stages: a reduction in two stages that a round may run at consecutive steps
+        (:class:`co2jax.comm.staged.Stages`: a reduce-scatter, then an all-gather);
+        ``reduce`` runs both. ``None`` for a reduction in one collective.
       roundtrip: for a compressed reducer without a gather form (the two-step compressed
         all-reduce), ``roundtrip(payload) -> payload``: the values one replica's payload is
         transmitted as (its encoding decoded, in the reducer's own block layout), shaped like
@@ -98,6 +103,7 @@ class Reducer(NamedTuple):
     splittable: bool = False
     unfused: Any = None
     roundtrip: Callable[[Payload], Payload] | None = None
+    stages: Any = None
 
     def __call__(self, payload: Payload) -> Any:
         return self.reduce(payload)
@@ -471,18 +477,6 @@ def scatter_gather_mean(axis_name: str = REPLICA) -> Reducer:
         tree_size(shapes) * jnp.dtype(common_dtype(jax.tree.leaves(shapes))).itemsize, r
     )
     return Reducer("scatter_gather", reduce, wire, _flat_encode, exact=True, splittable=True)
-
-
-def exact_mean(kind: str, axis_name: str = REPLICA) -> Reducer:
-    """The exact mean named ``kind`` (one of ``EXACT``)."""
-    check_choice("reducer", kind, EXACT)
-    kinds = {
-        "pmean": pmean,
-        "all_gather": all_gather_mean,
-        "ring": ring_mean,
-        "scatter_gather": scatter_gather_mean,
-    }
-    return kinds[kind](axis_name)
 
 
 @dataclasses.dataclass(frozen=True)

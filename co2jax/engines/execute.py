@@ -159,7 +159,9 @@ class RoundDriver:
             self.store[i] = (piece, chunks.reduce(cut, self.reducers[i], piece))
             return c
         self.plans[i] = cut
-        return self._hold(c, i, chunks.fill(cut, payload, varying_like))
+        # a staged reducer (co2jax.comm.staged) scatters each chunk at its step and gathers
+        # it at the next; the last chunk's gather is at the apply (chunks.drain)
+        return self._hold(c, i, chunks.fill(cut, payload, varying_like, self.reducers[i]))
 
     def chunk(self, c: Carry, i: int, k: Any) -> Carry:
         plan = self.plans[i]
@@ -169,7 +171,12 @@ class RoundDriver:
 
     def apply(self, c: Carry, i: int) -> Carry:
         if i in self.plans:
-            reduced = chunks.result(self.plans.pop(i), c.inflight[i])
+            plan, buffer = self.plans.pop(i), c.inflight[i]
+            drained = chunks.drain(plan, self.reducers[i], buffer)
+            if drained is not None:  # staged: the last chunk's gather
+                buffer, piece, vectors = drained
+                c = self._add(c, i, sums(chunks.piece_values(plan, piece), vectors))
+            reduced = chunks.result(plan, buffer)
             c = self._hold(c, i, ())
         elif i in self.split_plans:
             cut, (piece, vectors) = self.split_plans.pop(i), self.store.pop(i)

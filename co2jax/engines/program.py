@@ -157,6 +157,8 @@ def wire_bytes(
             jax.ShapeDtypeStruct(cut.piece_shape(g), cut.dtypes[g]) for g in range(len(cut.units))
         ]
         total += t.chunks * reducer.wire_bytes(piece, replicas)
+        if reducer.stages is not None:  # its first step gathers a zero share: a chunk's
+            total += reducer.wire_bytes(piece, replicas) / 2  # gather half, spent for nothing
     return total
 
 
