@@ -407,7 +407,11 @@ def test_gpa_under_an_outer_step_is_refused_by_the_library(driver):
 def _interrupted_start_ups(tmp_path, moments, command="train"):
     """Starts the training (or comparison) command once per moment, all at once, sends each
     SIGINT that many seconds after its start, and returns each ``(moment, exit status,
-    stderr)``."""
+    stderr)``. A run starts when its process has become the Python that runs the command
+    (its ``exec``): a signal sent between the fork and the exec is caught by the handler the
+    child copied from this process and lost with it (under load, a moment of 0.12 s fell
+    there: the run went on and exited 0), and no Ctrl-C reaches a command before its shell
+    has started it."""
     import signal
     import subprocess
     import sys
@@ -425,6 +429,9 @@ def _interrupted_start_ups(tmp_path, moments, command="train"):
         else:
             argv += ["--rows", "DDP", "--out", str(tmp_path / str(i))]
         proc = subprocess.Popen(argv, cwd=root, env=env, stderr=subprocess.PIPE, text=True)
+        cmdline = Path(f"/proc/{proc.pid}/cmdline")
+        while proc.poll() is None and b"experiments." not in cmdline.read_bytes():
+            time.sleep(0.001)  # not exec'd yet: still a copy of this process
         runs.append((time.monotonic() + moment, moment, proc))
     for at, _, proc in sorted(runs, key=lambda r: r[0]):
         time.sleep(max(0.0, at - time.monotonic()))
