@@ -356,7 +356,7 @@ class Buffer(NamedTuple):
         chunk is replaced by its reduction once reduced (no second buffer).
       acc: per group, an encoded payload's reduced chunks (:func:`zeros`, ``[K, ...]``);
         ``None`` for a plain payload.
-      shard: staged (:func:`fill` with ``staged=True``): per group, this replica's share of
+      shard: staged (:func:`fill` given a staged reducer): per group, this replica's share of
         the chunk scattered at the step before, gathered at the next (:func:`reduce_chunk`);
         ``None`` otherwise.
     """

@@ -31,7 +31,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -149,10 +149,3 @@ def staged_mean(axis_name: str = REPLICA) -> Reducer:
         splittable=True,
         stages=Stages(scatter, gather, shard_rows),
     )
-
-
-def shard_bytes(rows: int, row_elements: int, dtype: Any, replicas: int) -> float:
-    """Bytes one replica sends in stage two alone for a piece of ``rows`` rows: what a
-    round spends when it gathers before any chunk is scattered (its first step)."""
-    m = shard_rows(rows, replicas)
-    return (replicas - 1) * m * row_elements * jnp.dtype(dtype).itemsize
