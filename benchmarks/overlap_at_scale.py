@@ -136,6 +136,11 @@ def main(argv=None) -> None:
         default="auto",
         help="split the outer state over data (auto: for 1b only, where it must to fit)",
     )
+    parser.add_argument(
+        "--reducer",
+        default="auto",
+        help="the engine's reducer for every case (auto, all_gather, staged, ...)",
+    )
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -172,7 +177,9 @@ def main(argv=None) -> None:
             for name in args.algorithms.split(","):
                 head = f"| {C.num_params(shapes) / 1e6:.0f}M | {args.slices} | {R}x{D} | {name} "
                 try:
-                    row = compile_round(made[name](), mesh, shapes, d_model, shard, args.steps)
+                    row = compile_round(
+                        made[name](), mesh, shapes, d_model, shard, args.steps, reducer=args.reducer
+                    )
                 except Exception as e:  # e.g. does not fit the chip
                     print(f"{head}| failed: {str(e).splitlines()[0][:120]} |", flush=True)
                     continue

@@ -174,3 +174,57 @@ def test_chunks_of_mixed_groups_under_shard_map(name):
             np.testing.assert_array_equal(a, b)
         else:  # decoded values averaged in differently fused loops: roundings apart
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("R,K", [(3, 1), (4, 3), (5, 4)])
+def test_staged_pieces_over_one_step_more_equal_the_mean(R, K):
+    """A staged reducer's K pieces over steps 0..K, every step alike (``reduce_chunk``: step
+    c gathers piece c - 1 and scatters piece c; step 0 gathers a zero share, step K
+    scatters piece K - 1 again, both unused), run in a loop as a round runs them: the
+    buffer's result is the all-reduce's mean (a float32 rounding apart at most: XLA fuses
+    the two differently), the same on every replica, and each step from 1 on hands back the
+    piece it gathered as sent (step 0: zeros)."""
+    reducer = comm.exact_mean("staged")
+    payload = _payload(R, seed=4)
+
+    def run(p):
+        plan = chunks.plan(p, reducer, chunks.pieces(reducer, K + 1))
+
+        def step(buffer, c):
+            buffer, piece, reduced = chunks.reduce_chunk(plan, reducer, buffer, c)
+            return buffer, (piece, reduced)
+
+        buffer = chunks.fill(plan, p, reducer=reducer)
+        buffer, (sent, reduced) = jax.lax.scan(step, buffer, jnp.arange(K + 1))
+        return chunks.result(plan, buffer), sent, reduced, chunks.split(plan, p)
+
+    got, sent, reduced, cut = jax.jit(jax.vmap(run, axis_name="replica"))(payload)
+    want = jax.jit(jax.vmap(_whole(comm.pmean()), axis_name="replica"))(payload)
+    for k in payload:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7)
+        assert float(jnp.max(jnp.abs(got[k][0] - got[k][-1]))) == 0.0  # every replica alike
+    for s, r, w in zip(sent, reduced, cut, strict=True):  # [R, K + 1, ...], [R, K, ...]
+        assert float(jnp.max(jnp.abs(s[:, 0]))) == 0.0
+        np.testing.assert_array_equal(s[:, 1:], w)  # piece c - 1 as sent, at step c
+        np.testing.assert_allclose(r[:, 1:], jnp.mean(w, axis=0, keepdims=True).repeat(R, 0),
+                                   rtol=1e-6, atol=1e-7)  # fmt: skip
+
+
+def test_a_staged_transfer_spans_one_step_more_than_its_pieces():
+    """K pieces over a transfer's K + 1 chunk steps, each step one scatter and one gather:
+    the round's wire bytes are (K + 1) / K of the ring all-reduce's of the payload, where
+    the all-gather sends R - 1 times it."""
+    from co2jax.engines.program import wire_bytes
+    from co2jax.protocol import Transfer
+
+    staged, gathered = comm.exact_mean("staged"), comm.exact_mean("all_gather")
+    assert chunks.pieces(staged, 4) == 3 and chunks.pieces(gathered, 4) == 4
+    assert chunks.pieces(staged, 1) == 1  # one step: reduced whole
+    shapes = [{"w": jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16)}]
+    ring = comm.ring_bytes(4096 * 1024 * 2, 8)
+    for slots in (4, 16):
+        t = Transfer(0, 16, chunks=slots)
+        got = wire_bytes((t,), shapes, (staged,), 8)
+        # within 1%: 4096 rows cut into 15 pieces pad the last one to whole rows
+        assert got == pytest.approx(ring * slots / (slots - 1), rel=0.01)
+        assert wire_bytes((t,), shapes, (gathered,), 8) == pytest.approx(4 * ring, rel=1e-3)

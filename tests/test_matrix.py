@@ -4,8 +4,8 @@ Drivers: the round-level ``outer.sync`` under ``jax.vmap`` and mapped over the r
 a mesh (``co2jax.mesh.replica_map``), the per-step adapter (``local_updates``) under both, the
 round engine, the round engine with the fused Pallas update (interpreter) where the
 algorithm is fusable, and the round engine with its overlapped transfers in a chunk per step,
-each reduced in two stages at consecutive steps (``reducer="staged"``, what it chooses on TPU
-from R = 3: ``co2jax.comm.staged``) where the algorithm reduces by an exact mean. Layouts
+each reduced in two stages at consecutive steps (``reducer="staged"``: a ring's bytes,
+``co2jax.comm.staged``) where the algorithm reduces by an exact mean. Layouts
 (the mesh drivers): the state whole in each replica ("replicated"), the outer state split
 over ``data`` ("sharded"), parameters and inner state split over ``data`` too ("fsdp"), a
 parameter split over ``model`` (tensor parallel, "tp"), and both ("fsdp_tp": one parameter

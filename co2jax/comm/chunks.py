@@ -299,13 +299,28 @@ def gather(plan: Plan, reducer: Reducer, shards: list) -> list[jax.Array]:
 
 
 def shard_zeros(plan: Plan, replicas: int, stages: Any) -> list[jax.Array]:
-    """Per group, a zero share of one chunk (what a round gathers at its first step, before
-    any chunk is scattered)."""
+    """Per group, a zero share of one piece (what a staged transfer gathers at its first
+    step, before any piece is scattered)."""
     out = []
     for g in range(len(plan.units)):
         rows = stages.shard_rows(_local_rows(plan, g), replicas) * plan.shards
         out.append(jnp.zeros((rows, *plan.piece_shape(g)[1:]), plan.dtypes[g]))
     return out
+
+
+def pieces(reducer: Reducer | None, slots: int) -> int:
+    """The pieces a payload spread over ``slots`` consecutive steps is cut into: one per
+    step; for a staged reducer (its ``stages`` set), one fewer, piece c scattered at step c
+    and gathered at step c + 1 (:func:`reduce_chunk`), so that every stage runs inside a
+    step of one loop body.
+
+    Example:
+      >>> from co2jax.comm import exact_mean
+      >>> pieces(exact_mean("all_gather"), 4), pieces(exact_mean("staged"), 4)
+      (4, 3)
+    """
+    staged = reducer is not None and reducer.stages is not None
+    return slots - 1 if staged and slots > 1 else slots
 
 
 def piece_values(plan: Plan, piece: list) -> list[jax.Array]:
@@ -357,8 +372,8 @@ class Buffer(NamedTuple):
       acc: per group, an encoded payload's reduced chunks (:func:`zeros`, ``[K, ...]``);
         ``None`` for a plain payload.
       shard: staged (:func:`fill` given a staged reducer): per group, this replica's share of
-        the chunk scattered at the step before, gathered at the next (:func:`reduce_chunk`);
-        ``None`` otherwise.
+        the piece scattered at the step before, gathered at the next (:func:`reduce_chunk`);
+        zeros before the first step; ``None`` for any other reducer.
     """
 
     wire: list
@@ -375,10 +390,12 @@ def fill(plan: Plan, payload: Any, like=None, reducer: Reducer | None = None) ->
     if not plan.encoded:
         if reducer is None or reducer.stages is None:
             return Buffer(wire, None)
-        shard = shard_zeros(plan, axis_size(REPLICA), reducer.stages)
+        shard = shard_zeros(plan, axis_size(REPLICA), reducer.stages)  # gathered at step 0
         if like is not None:
             shard = like(shard, [jax.tree.leaves(w)[0] for w in wire])
         return Buffer(wire, None, shard)
+    if reducer is not None and reducer.stages is not None:
+        raise ValueError(f"reducer {reducer.kind!r}: its two stages take a plain payload")
     acc = zeros(plan)
     if like is not None:
         acc = like(acc, [jax.tree.leaves(w)[0] for w in wire])
@@ -389,20 +406,28 @@ def reduce_chunk(plan: Plan, reducer: Reducer, buffer: Buffer, c: Any) -> tuple:
     """Chunk ``c`` of ``buffer`` reduced: ``(buffer, piece, reduced)`` with the reduction
     written in, the chunk as sent, and its reduced vectors.
 
-    Staged (``buffer.shard`` set): step ``c`` gathers chunk ``c - 1`` (scattered at the
-    step before) and scatters chunk ``c``, two collectives that do not wait on each other;
-    it returns chunk ``c - 1`` as sent and reduced (zeros at ``c = 0``, where the gather is
-    of the zero share: one gather's bytes spent for nothing), and :func:`drain` gathers the
-    last chunk."""
+    Staged (``buffer.shard`` set; :func:`fill` given a staged reducer): ``plan.chunks = K``
+    pieces over steps ``c = 0..K``, every step alike (one loop body): step ``c`` gathers
+    piece ``c - 1`` (scattered at the step before) and scatters piece ``c``, two
+    collectives that do not wait on each other, and returns piece ``c - 1`` as sent and
+    reduced. Step 0 gathers the zero share :func:`fill` holds and step K scatters piece
+    K - 1 again, half a piece's ring bytes each spent for nothing, their results unused:
+    ``(K + 1) / K`` of a ring all-reduce's bytes in all (:func:`pieces`)."""
     if buffer.shard is not None:
+        k = plan.chunks
+        first = c == 0
+        # piece c read apart from the write below: fused with it (one loop fusion on TPU),
+        # the scatter waited for the gather's done, after the step's compute
+        ahead, wire = jax.lax.optimization_barrier(
+            (take(buffer.wire, jnp.minimum(c, k - 1)), buffer.wire)
+        )
+        shard = scatter(plan, reducer, ahead)
         arrived = gather(plan, reducer, buffer.shard)
-        before, after_first = jnp.maximum(c - 1, 0), c > 0
-        held = take(buffer.wire, before)  # chunk c - 1 as sent (at c = 0: chunk 0, kept)
-        pairs = zip(arrived, held, strict=True)
-        kept = [jnp.where(after_first, a.astype(h.dtype), h) for a, h in pairs]
-        sent = [h * after_first.astype(h.dtype) for h in held]
-        shard = scatter(plan, reducer, take(buffer.wire, c))
-        return Buffer(put(buffer.wire, before, kept), None, shard), sent, arrived
+        before = jnp.maximum(c - 1, 0)
+        held = take(wire, before)  # piece c - 1 as sent (at c = 0: piece 0, kept)
+        kept = [jnp.where(first, h, a.astype(h.dtype)) for a, h in zip(arrived, held, strict=True)]
+        sent = [h * (1 - jnp.asarray(first, h.dtype)) for h in held]
+        return Buffer(put(wire, before, kept), None, shard), sent, arrived
     piece = take(buffer.wire, c)
     reduced = reduce(plan, reducer, piece)
     if plan.encoded:
@@ -410,19 +435,7 @@ def reduce_chunk(plan: Plan, reducer: Reducer, buffer: Buffer, c: Any) -> tuple:
     return buffer._replace(wire=put(buffer.wire, c, reduced)), piece, reduced
 
 
-def drain(plan: Plan, reducer: Reducer, buffer: Buffer) -> tuple:
-    """A staged buffer's last chunk gathered (after its last step): ``(buffer, piece,
-    reduced)`` as :func:`reduce_chunk`'s; ``None`` for a buffer that is not staged."""
-    if buffer.shard is None:
-        return None
-    last = plan.chunks - 1
-    arrived = gather(plan, reducer, buffer.shard)
-    sent = take(buffer.wire, last)
-    return Buffer(put(buffer.wire, last, arrived), None, None), sent, arrived
-
-
 def result(plan: Plan, buffer: Buffer) -> Any:
-    """The reduced payload once every chunk of ``buffer`` is reduced (and drained)."""
-    if buffer.shard is not None:
-        raise ValueError("a staged buffer's last chunk is still scattered: drain it first")
+    """The reduced payload once every chunk of ``buffer`` is reduced (a staged buffer's
+    K + 1 steps run)."""
     return finish(plan, buffer.acc if plan.encoded else buffer.wire)

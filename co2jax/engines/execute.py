@@ -151,7 +151,8 @@ class RoundDriver:
         if t.chunks == 1 and not (self.split[i] and shards > 1):
             self.store[i] = (payload, self.reducers[i](payload))
             return c
-        cut = chunks.plan(payload, self.reducers[i], t.chunks, shards=shards)
+        pieces = chunks.pieces(self.reducers[i], t.chunks)
+        cut = chunks.plan(payload, self.reducers[i], pieces, shards=shards)
         if t.chunks == 1:  # one piece, each device's slice reduced here: kept out of the
             # loop's carry, so its collective may stay in flight across the loop
             piece = chunks.take(chunks.split(cut, payload), 0)
@@ -159,8 +160,8 @@ class RoundDriver:
             self.store[i] = (piece, chunks.reduce(cut, self.reducers[i], piece))
             return c
         self.plans[i] = cut
-        # a staged reducer (co2jax.comm.staged) scatters each chunk at its step and gathers
-        # it at the next; the last chunk's gather is at the apply (chunks.drain)
+        # a staged reducer (co2jax.comm.staged) scatters each piece at its step and gathers
+        # it at the next: K pieces over the transfer's K + 1 steps (chunks.reduce_chunk)
         return self._hold(c, i, chunks.fill(cut, payload, varying_like, self.reducers[i]))
 
     def chunk(self, c: Carry, i: int, k: Any) -> Carry:
@@ -172,10 +173,6 @@ class RoundDriver:
     def apply(self, c: Carry, i: int) -> Carry:
         if i in self.plans:
             plan, buffer = self.plans.pop(i), c.inflight[i]
-            drained = chunks.drain(plan, self.reducers[i], buffer)
-            if drained is not None:  # staged: the last chunk's gather
-                buffer, piece, vectors = drained
-                c = self._add(c, i, sums(chunks.piece_values(plan, piece), vectors))
             reduced = chunks.result(plan, buffer)
             c = self._hold(c, i, ())
         elif i in self.split_plans:

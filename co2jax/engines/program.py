@@ -152,13 +152,14 @@ def wire_bytes(
         if t.chunks == 1:
             total += reducer.wire_bytes(shapes, replicas)
             continue
-        cut = chunks.plan(shapes, reducer, t.chunks, shards=split_over(reducer, shards))
+        pieces = chunks.pieces(reducer, t.chunks)
+        cut = chunks.plan(shapes, reducer, pieces, shards=split_over(reducer, shards))
         piece = [
             jax.ShapeDtypeStruct(cut.piece_shape(g), cut.dtypes[g]) for g in range(len(cut.units))
         ]
+        # a staged reducer's t.chunks steps each scatter and gather a piece (two halves of a
+        # ring all-reduce's bytes), one more step than it has pieces (chunks.reduce_chunk)
         total += t.chunks * reducer.wire_bytes(piece, replicas)
-        if reducer.stages is not None:  # its first step gathers a zero share: a chunk's
-            total += reducer.wire_bytes(piece, replicas) / 2  # gather half, spent for nothing
     return total
 
 

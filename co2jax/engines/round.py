@@ -445,6 +445,8 @@ class RoundTrainer:
             lambda s, b, w=(None, None): (lambda *o: (TrainState(*o[:5]), o[5]))(*body(*s, b, w)),
             out_shardings=(TrainState(*out_shardings[0]), out_shardings[1]),
             donate_argnums=(0,) if self._donate else (),
+            compiler_options=policy.compiler_options(self.platform, plan.reducers, self.replicas)
+            or None,
         )
         self._programs[key] = RoundProgram(plan, fn)
         return self._programs[key]
