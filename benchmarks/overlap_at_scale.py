@@ -6,7 +6,9 @@ HLO (:func:`co2jax.hlo.flights`, cross-slice megascale transfers included). For 
 size, replica count R, slice count and case (algorithm and payload) it prints
 
 - the reducer and the chunks the engine chose (``auto``: on TPU a delayed payload in a chunk
-  per inner step, each an all-gather issued inside its step, split over the replica's chips);
+  per inner step, each reduced inside its step, split over the replica's chips: at R = 2 an
+  all-gather, from R = 3 the staged mean, scattered at its step and gathered at the next;
+  ``--reducer`` forces one for every case);
 - bytes one replica sends over the replica axis per round (every chip's ``sent``, ring
   algorithms: :attr:`co2jax.hlo.Flight.sent`), the part over DCN, and their ratio to a ring
   all-reduce of the uncompressed payload (2 (R-1)/R of it) and to the engine's own model of
@@ -30,6 +32,8 @@ the pmean round of H steps). The outer state is split over data for 1B (``--shar
     JAX_PLATFORMS=cpu python benchmarks/overlap_at_scale.py --sizes 1b --replicas 2,4 --steps 16
     JAX_PLATFORMS=cpu python benchmarks/overlap_at_scale.py --sizes 1b --replicas 8 \
         --topology v5e:4x4
+    JAX_PLATFORMS=cpu python benchmarks/overlap_at_scale.py --replicas 2,4,8,16 \
+        --topology v5e:4x4 --algorithms delayed_diloco --steps 32 --reducer all_gather
 """
 
 from __future__ import annotations

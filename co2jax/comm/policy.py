@@ -87,17 +87,29 @@ def chunk_shards(devices_per_replica: int) -> int:
     return max(1, int(devices_per_replica))
 
 
-def chunk_kind(platform: str, replicas: int = 2) -> str:
-    """The exact mean for one chunk: on TPU the all-gather, whose chunk is asynchronous under
-    its step's compute at R = 2, 4 and 8 (the ppermute ring's dependent steps hide 14-33% of
-    its bytes there: measured at 100M parameters, v5e 2x4); elsewhere the all-reduce.
+def chunk_kind(platform: str, replicas: int = 2, steps: int = 0) -> str:
+    """The exact mean for a transfer spread over ``steps`` inner steps (a chunk per step):
+    elsewhere than TPU the all-reduce; on TPU the one of fewer bytes, each in flight under
+    its step's compute.
 
-    The all-gather sends R - 1 times the chunk (2x a ring's bytes at R = 4, 4x at 8); the
-    staged mean (``reducer="staged"``, :mod:`co2jax.comm.staged`) sends a ring's, in two
-    asynchronous stages at consecutive steps. It becomes the default here once its schedule
-    is measured at R = 8 and 16 and over several slices (``docs/overlap.md``)."""
-    del replicas  # the staged mean's measurements decide how R enters
-    return "all_gather" if platform == "tpu" else "pmean"
+    The staged mean (:mod:`co2jax.comm.staged`: a reduce-scatter by R - 1 permutes, then an
+    all-gather at the next step) sends ``steps / (steps - 1)`` of a ring all-reduce's bytes,
+    the all-gather ``R / 2`` of them: the all-gather at R = 2 (the ring's bytes exactly) and
+    wherever the staged mean would send more. Measured ahead of time (delayed DiLoCo, 32
+    steps, v5e 4x4 and 8 slices of v5e 2x4, ``benchmarks/overlap_at_scale.py``): both 100%
+    in flight at R = 2-16; staged 1.04x the ring at every R, the all-gather 2x, 4x, 8x at
+    R = 4, 8, 16; the same temporaries; compile 1.0-3.5x the plain round's against 1.0-2.4x.
+
+    Example:
+      >>> chunk_kind("tpu", 2, 32), chunk_kind("tpu", 8, 32), chunk_kind("tpu", 3, 3)
+      ('all_gather', 'staged', 'all_gather')
+      >>> chunk_kind("cpu", 8, 32)
+      'pmean'
+    """
+    if platform != "tpu":
+        return "pmean"
+    staged_is_fewer = steps >= 2 and 2 * steps < replicas * (steps - 1)
+    return "staged" if staged_is_fewer else "all_gather"
 
 
 def compiler_options(platform: str, reducers: tuple[Reducer, ...], replicas: int) -> dict:
@@ -148,6 +160,7 @@ def select(
     whole: bool,
     accepts_gathered: bool,
     axis_name: str,
+    steps: int = 1,
 ) -> tuple[str, Reducer]:
     """The reducer a round uses for one transfer, and its label (``"outer"`` when the
     algorithm's own is kept).
@@ -163,6 +176,7 @@ def select(
         handed over whole.
       accepts_gathered: the algorithm's ``apply`` takes gathered payloads.
       axis_name: the replica axis.
+      steps: the steps a transfer in chunks is spread over (its chunk count).
     """
     check_choice_for(choice, reducer)
     if choice == "outer" or not reducer.exact:
@@ -172,7 +186,7 @@ def select(
         kind = (
             auto_kind(platform, replicas, overlapped, payload_elements)
             if whole
-            else chunk_kind(platform, replicas)
+            else chunk_kind(platform, replicas, steps)
         )
     if kind == "all_gather" and accepts_gathered and whole:
         # the R payloads go to the outer update un-reduced: a fused update averages them in

@@ -200,6 +200,7 @@ def choose(
             whole=t.chunks == 1 and (run == transfers or t.send == t.apply),
             accepts_gathered=gathered,
             axis_name=REPLICA,
+            steps=t.chunks,
         )
         for t, shapes in zip(run, payload_shapes, strict=True)
     ]
