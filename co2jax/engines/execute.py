@@ -172,8 +172,7 @@ class RoundDriver:
 
     def apply(self, c: Carry, i: int) -> Carry:
         if i in self.plans:
-            plan, buffer = self.plans.pop(i), c.inflight[i]
-            reduced = chunks.result(plan, buffer)
+            reduced = chunks.result(self.plans.pop(i), c.inflight[i])
             c = self._hold(c, i, ())
         elif i in self.split_plans:
             cut, (piece, vectors) = self.split_plans.pop(i), self.store.pop(i)
