@@ -11,7 +11,8 @@ size, replica count R, slice count and case (algorithm and payload) it prints
   ``--reducer`` forces one for every case);
 - bytes one replica sends over the replica axis per round (every chip's ``sent``, ring
   algorithms: :attr:`co2jax.hlo.Flight.sent`), the part over DCN, and their ratio to a ring
-  all-reduce of the uncompressed payload (2 (R-1)/R of it) and to the engine's own model of
+  all-reduce of the uncompressed payload (2 (R-1)/R of it), to a ring all-reduce of the
+  payload as its codec encodes it (the same for an exact mean) and to the engine's own model of
   the round's bytes (``RoundPlan.wire_bytes``: the codec's bytes for a compressed payload);
 - the fraction of those bytes in flight under compute (an asynchronous start and done, or
   a megascale send and its done, with a loop, a matmul or a custom call between them);
@@ -78,6 +79,9 @@ def algorithms(shapes, steps: int = H) -> dict:
         "streaming_tau1": lambda: streaming(1),
         "delayed_int8": lambda: delayed(gather(comm.int8(block=128))),
         "delayed_int8_ef": lambda: co2jax.error_feedback(delayed(gather(comm.int8(block=128)))),
+        "delayed_int8_two_step_ef": lambda: co2jax.error_feedback(
+            delayed(comm.all_reduce_compressed(comm.int8(block=128)))
+        ),
         "delayed_fp4": lambda: delayed(gather(comm.fp4(block=128))),
         "delayed_fp4_ef": lambda: co2jax.error_feedback(delayed(gather(comm.fp4(block=128)))),
         "delayed_topk_ef": lambda: co2jax.error_feedback(
@@ -112,12 +116,19 @@ def compile_round(outer, mesh, shapes, d_model, shard, steps=H, **kw):
     flights = co2jax.hlo.flights(text, mesh, "replica")
     sent, dcn = replica_bytes(flights, mesh.devices.size // R)
     payload = sum(C.num_bytes(s) for s in program.plan.payload_shapes)
+    encoded = 0.0  # a ring all-reduce's bytes of the payloads as their codecs encode them
+    for shapes, reducer in zip(program.plan.payload_shapes, program.plan.reducers, strict=True):
+        size = sum(C.num_bytes(s) for s in jax.tree.leaves(shapes))
+        if reducer.codec is not None:
+            size = reducer.codec.wire_bytes(sum(s.size for s in jax.tree.leaves(shapes)))
+        encoded += comm.ring_bytes(size, R)
     return {
         "reducer": program.reducer_kind,
         "chunks": [t.chunks for t in program.transfers],
         "sent": sent,
         "dcn": dcn,
         "ring": comm.ring_bytes(payload, R),
+        "encoded_ring": encoded,
         "model": program.plan.wire_bytes,
         "hidden": co2jax.hlo.hidden_fraction(text, mesh, "replica"),
         "temp_gib": mem.temp_size_in_bytes / 2**30,
@@ -165,9 +176,10 @@ def main(argv=None) -> None:
     )
     print(
         "| params | slices | R x D | case | reducer | chunks | sent / replica (DCN) "
-        "| vs ring | vs model | in flight | temp / chip (vs pmean) | compile CPU-s (vs pmean) |"
+        "| vs ring | vs encoded ring | vs model | in flight | temp / chip (vs pmean) "
+        "| compile CPU-s (vs pmean) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes.split(","):
         d_model, d_ff, layers = SIZES[size]
         shapes = C.param_shapes(d_model, d_ff, layers, jnp.bfloat16)
@@ -193,7 +205,8 @@ def main(argv=None) -> None:
                 print(
                     f"{head}| {row['reducer']} | {row['chunks']} "
                     f"| {C.fmt_bytes(row['sent'])} ({C.fmt_bytes(row['dcn'])}) "
-                    f"| {row['sent'] / row['ring']:.2f} | {row['sent'] / row['model']:.2f} "
+                    f"| {row['sent'] / row['ring']:.2f} | {row['sent'] / row['encoded_ring']:.2f} "
+                    f"| {row['sent'] / row['model']:.2f} "
                     f"| {row['hidden']:.0%} "
                     f"| {row['temp_gib']:.2f} GiB "
                     f"({row['temp_gib'] / max(base['temp_gib'], 1e-9):.2f}x) "

@@ -287,7 +287,17 @@ def typed_call(call, out_shape, *operands, compiled: bool = True):
     shapes = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=kind), out_shape
     )
-    return run(call(shapes), *cast)
+    # a compiled kernel's call, run whole per device by a shard_map that does not check
+    # types, comes back typed as varying over none of the mesh axes: typed again as its
+    # operands (a loop's carry made of it keeps its type)
+    return jax.tree.map(lambda y: _varying(y, kind.varying), run(call(shapes), *cast))
+
+
+def _varying(x: jax.Array, axes: frozenset) -> jax.Array:
+    """``x`` cast to varying over ``axes`` where its type does not say so already."""
+    kind = getattr(jax.typeof(x), "manual_axis_type", None)
+    missing = axes - (kind.varying if kind is not None else frozenset())
+    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
 
 def whole_per_device(fn, *operands):

@@ -176,15 +176,27 @@ def test_chunks_of_mixed_groups_under_shard_map(name):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+STAGED = {
+    "staged": (lambda: comm.exact_mean("staged"), comm.pmean),
+    # the two-step compressed all-reduce, in blocks of 4: its own whole reduction is the
+    # twin (tests/test_two_step_feedback.py holds that one to the numpy loop)
+    "two_step_int8": (lambda: comm.all_reduce_compressed(comm.int8(block=4)), None),
+}
+
+
+@pytest.mark.parametrize("name", list(STAGED))
 @pytest.mark.parametrize("R,K", [(3, 1), (4, 3), (5, 4)])
-def test_staged_pieces_over_one_step_more_equal_the_mean(R, K):
+def test_staged_pieces_over_one_step_more_equal_the_mean(R, K, name):
     """A staged reducer's K pieces over steps 0..K, every step alike (``reduce_chunk``: step
     c gathers piece c - 1 and scatters piece c; step 0 gathers a zero share, step K
     scatters piece K - 1 again, both unused), run in a loop as a round runs them: the
-    buffer's result is the all-reduce's mean (a float32 rounding apart at most: XLA fuses
-    the two differently), the same on every replica, and each step from 1 on hands back the
-    piece it gathered as sent (step 0: zeros)."""
-    reducer = comm.exact_mean("staged")
+    buffer's result is the whole reduction's (the all-reduce's mean, a float32 rounding
+    apart at most: XLA fuses the two differently; the two-step compressed all-reduce's,
+    whose shares travel encoded), the same on every replica, and each step from 1 on hands
+    back the piece it gathered as sent (step 0: zeros) and that piece's own reduction."""
+    make, twin = STAGED[name]
+    reducer = make()
+    whole = (twin or make)()
     payload = _payload(R, seed=4)
 
     def run(p):
@@ -199,15 +211,19 @@ def test_staged_pieces_over_one_step_more_equal_the_mean(R, K):
         return chunks.result(plan, buffer), sent, reduced, chunks.split(plan, p)
 
     got, sent, reduced, cut = jax.jit(jax.vmap(run, axis_name="replica"))(payload)
-    want = jax.jit(jax.vmap(_whole(comm.pmean()), axis_name="replica"))(payload)
+    want = jax.jit(jax.vmap(_whole(whole), axis_name="replica"))(payload)
     for k in payload:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7)
         assert float(jnp.max(jnp.abs(got[k][0] - got[k][-1]))) == 0.0  # every replica alike
+    each = lambda w: jnp.stack([whole.reduce(w[c]) for c in range(w.shape[0])])
     for s, r, w in zip(sent, reduced, cut, strict=True):  # [R, K + 1, ...], [R, K, ...]
         assert float(jnp.max(jnp.abs(s[:, 0]))) == 0.0
         np.testing.assert_array_equal(s[:, 1:], w)  # piece c - 1 as sent, at step c
-        np.testing.assert_allclose(r[:, 1:], jnp.mean(w, axis=0, keepdims=True).repeat(R, 0),
-                                   rtol=1e-6, atol=1e-7)  # fmt: skip
+        pieces = jax.jit(jax.vmap(each, axis_name="replica"))(w)
+        np.testing.assert_allclose(r[:, 1:], pieces, rtol=1e-6, atol=1e-7)
+    if twin is None:  # the second quantization is there: not the plain mean
+        mean = {k: np.broadcast_to(np.mean(v, 0), v.shape) for k, v in payload.items()}
+        assert max(float(np.max(np.abs(got[k] - mean[k]))) for k in payload) > 1e-3
 
 
 def test_a_staged_transfer_spans_one_step_more_than_its_pieces():

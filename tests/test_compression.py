@@ -180,9 +180,11 @@ def test_two_step_collective_is_the_requantized_mean(name, n):
 
 
 def test_two_step_collective_sends_half_the_gather_bytes():
-    """In compiled HLO the two-step collective is an all-to-all then an all-gather over the
-    replica axis, both in the encoded dtypes; reduce.wire_bytes counts 2 (R-1) encoded
-    shards, which for 4 replicas is 2/3 of the all-gather's R-1 encoded payloads."""
+    """In compiled HLO the two-step collective is R - 1 collective-permutes of an encoded
+    shard (the reduce-scatter) then an all-gather of the encoded mean shards over the
+    replica axis, each an encoding's arrays packed in one buffer of 32-bit words;
+    reduce.wire_bytes counts 2 (R-1) encoded shards, which for 4 replicas is 1/2 of the
+    all-gather's R-1 encoded payloads."""
     mesh = harness.make_mesh(replica=4, data=2)
     codec = cx.fp4(block=128)
     n = 4096
@@ -200,10 +202,17 @@ def test_two_step_collective_sends_half_the_gather_bytes():
     x = harness.place(x, mesh, jax.sharding.PartitionSpec("replica"))
     np.testing.assert_allclose(fn(x), want, rtol=1e-6, atol=1e-7)
     text = fn.lower(x).compile().as_text()
-    found = co2jax.hlo.over_axis(co2jax.hlo.collectives(text), mesh, "replica")
-    assert {c.op for c in found} == {"all-to-all", "all-gather"}, found
-    assert {dtype for c in found for dtype, _ in c.shapes} == {"u8", "f32"}, found
+    every = co2jax.hlo.collectives(text)
+    found = co2jax.hlo.over_axis(every, mesh, "replica")
+    assert [c.op for c in found] == ["all-gather"], found
+    permutes = [c for c in every if c.op == "collective-permute"]
     shard = codec.wire_bytes(n // 4)
+    assert len(permutes) == 3, every
+    for c in [*permutes, *found]:  # one word buffer per shard: what the codec sends
+        (dtype, shape), count = c.shapes[0], (4 if c.op == "all-gather" else 1)
+        assert dtype == "u32" and 4 * np.prod(shape) == count * shard, c
+        # every group within one data column: only replicas exchange
+        assert all(len({d % 2 for d in group}) == 1 for group in c.groups), c
     shapes = jax.ShapeDtypeStruct((n,), jnp.float32)
     assert reduce.wire_bytes(shapes, 4) == 2 * 3 * shard
     gather = cx.all_gather_compressed(codec).wire_bytes(shapes, 4)

@@ -130,7 +130,8 @@ def test_staged_stages_apart_equal_the_mean(R, n):
     x = jnp.asarray(np.random.default_rng(n).normal(size=(R, n)), jnp.float32)
     stages = comm.exact_mean("staged").stages
     shards = jax.jit(jax.vmap(lambda v: stages.scatter([v]), axis_name="replica"))(x)
-    assert shards[0].shape == (R, stages.shard_rows(n, R))
+    assert shards[0].shape == (R, -(-n // R))
+    assert stages.empty(n, R, jax.ShapeDtypeStruct((n,), jnp.float32)).shape == (-(-n // R),)
     got = jax.jit(jax.vmap(lambda s: stages.gather(s, [n]), axis_name="replica"))(shards)
     np.testing.assert_allclose(got[0], np.broadcast_to(np.asarray(x).mean(0), x.shape), **TOL)
 

@@ -548,29 +548,51 @@ STAGED_AT_SCALE = {  # (topology of a slice, slices, replicas, layers); H = 32
 }
 
 
+def _int8_two_step_with_feedback():
+    from co2jax import comm
+
+    reduce = comm.all_reduce_compressed(comm.int8(block=128))
+    return co2jax.error_feedback(
+        co2jax.delayed_diloco(co2jax.outer_sgd(0.7, 0.9, True), reduce=reduce)
+    )
+
+
+STAGED_PAYLOADS = {  # (algorithm, the engine's reducer setting)
+    "exact": (AT_SCALE["delayed_diloco"], "staged"),
+    "int8_two_step_ef": (_int8_two_step_with_feedback, "auto"),  # its own, staged
+}
+
+
+@pytest.mark.parametrize("payload", list(STAGED_PAYLOADS))
 @pytest.mark.parametrize("where", STAGED_AT_SCALE.values(), ids=list(STAGED_AT_SCALE))
-def test_the_staged_mean_sends_a_rings_bytes_in_flight(where):
+def test_the_staged_mean_sends_a_rings_bytes_in_flight(where, payload):
     """The staged exact mean (reduce-scatter by R - 1 permutes, all-gather one step later)
     in a delayed DiLoCo round of 32 steps: the bytes one replica sends over the replica
     axis, read from the scheduled HLO, are within 5% of a ring all-reduce's of the payload
     (33/32 of it: its first step gathers a zero share and its last scatters a piece again)
     and of the engine's model, and >= 95% of them are in flight under the steps' compute,
-    where the all-gather sends R - 1 times the payload. At R = 8 on one v5e 4x4 slice
-    (25M), R = 16 there, and R = 8 over 8 slices of v5e 2x4 (100M, one replica a slice)."""
+    where the all-gather sends R - 1 times the payload. The same for int8 payloads with
+    error feedback through the two-step compressed all-reduce (its encoded shards
+    scattered, its encoded mean gathered a step later): within 5% of a ring all-reduce's of
+    the encoded payload. At R = 8 on one v5e 4x4 slice (25M), R = 16 there, and R = 8 over
+    8 slices of v5e 2x4 (100M, one replica a slice)."""
     from co2jax import comm
 
     topology, slices, R, layers = where
     devices = _slices(slices, topology) if slices > 1 else _topology(topology)
     mesh = co2jax.make_mesh(replica=R, data=len(devices) // R, devices=devices)
-    program, text = _model_round(
-        AT_SCALE["delayed_diloco"](), mesh, layers=layers, H=32, reducer="staged", spread=32
-    )
-    assert program.plan.kinds == ("staged",) and program.transfers[0].chunks == 32
+    make, reducer = STAGED_PAYLOADS[payload]
+    program, text = _model_round(make(), mesh, layers=layers, H=32, reducer=reducer, spread=32)
+    (chosen,) = program.plan.reducers
+    assert chosen.stages is not None and program.transfers[0].chunks == 32
     per_replica = mesh.devices.size // R
     found = hlo.flights(text, mesh, "replica")
     sent = sum(f.sent * f.count for f in found) * per_replica
-    payload = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.plan.payload_shapes))
-    assert sent <= 1.05 * comm.ring_bytes(payload, R)
+    leaves = jax.tree.leaves(program.plan.payload_shapes)
+    payload_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
+    if chosen.codec is not None:  # what the codec puts on the wire for the payload
+        payload_bytes = chosen.codec.wire_bytes(sum(x.size for x in leaves))
+    assert sent <= 1.05 * comm.ring_bytes(payload_bytes, R)
     assert sent == pytest.approx(program.plan.wire_bytes, rel=0.05)
     assert hlo.hidden_fraction(text, mesh, "replica") >= 0.95
     if slices > 1:

@@ -9,6 +9,8 @@ adapter, and MuLoCo's defaults."""
 
 from __future__ import annotations
 
+import math
+
 import harness
 import jax
 import jax.numpy as jnp
@@ -217,3 +219,40 @@ def test_a_reducer_that_does_not_say_what_it_transmits_is_refused():
     with pytest.raises(ValueError, match=r"outer.reducer='silent' transmits") as info:
         co2jax.error_feedback(co2jax.diloco(optax.sgd(1.0), reduce=silent))
     assert "\n" not in str(info.value)
+
+
+def test_spread_by_the_round_engine_in_two_stages_over_the_replicas_chips(R=4):
+    """Delayed DiLoCo's transfer spread over the round's steps by the round engine: each of
+    K = H - 1 pieces scattered encoded at its step and its encoded mean gathered at the next
+    (the reducer's stages), every piece split over the replica's 2 chips (whole blocks each:
+    203 elements in blocks of 16, not a multiple of R blocks; R = 3 and 5 for the stages
+    alone: tests/test_chunks.py), against the numpy loop; the
+    residual carries something, and the round's bytes are the model's (K + 1) / K of the
+    two-step's."""
+    from test_engine import engine_loss, textbook_batch
+
+    fmt, block, H, lr = "int8", 16, 4, 0.1
+    problem = tb.make_problem(replicas=R, examples=2, dim=203, seed=R)
+    mesh = harness.make_mesh(replica=R, data=2)
+    outer = _outer(fmt, block, delay=1)
+    trainer = co2jax.RoundTrainer(engine_loss, optax.sgd(lr), outer, mesh, H, spread=H)
+    state = trainer.init(harness.unflatten(jnp.asarray(problem.theta0, jnp.float32)))
+    program = trainer.program(state)
+    assert [t.chunks for t in program.transfers] == [H]  # K = H - 1 pieces over H steps
+    text = trainer.lower(state, textbook_batch(problem, H)).compile().as_text()
+    permutes = [c for c in co2jax.hlo.collectives(text) if c.op == "collective-permute"]
+    assert len(permutes) == R - 1 and "all-to-all" not in text  # the scatter's sends
+    got = []
+    for _ in range(ROUNDS):
+        state, _ = trainer.round(state, textbook_batch(problem, H))
+        got.append(np.asarray(harness.flatten(jax.device_get(state.params)), np.float64))
+    local = lambda t, anchor: [tb.inner_sgd(problem, r, anchor, lr, H) for r in range(R)]
+    want = ts.diloco_feedback_two_step(
+        local, problem.theta0, ROUNDS, R, ETA, MU, DECAY, SCALE, fmt, block, 1, None, np.float32
+    )
+    # round t's pseudo-gradient is sent at the start of round t + 1
+    _check(np.stack(got), _residuals(jax.device_get(state.outer_state)), *want, ROUNDS - 1)
+    per_piece = math.ceil(13 / (H - 1))  # 203 elements: 13 blocks of 16
+    blocks = 2 * math.ceil(per_piece / 2)  # a piece's blocks: whole ones on each of 2 chips
+    piece = jax.ShapeDtypeStruct((blocks * block,), jnp.float32)
+    assert program.plan.wire_bytes == pytest.approx(H * outer.reducer.wire_bytes(piece, R))

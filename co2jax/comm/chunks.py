@@ -275,7 +275,7 @@ def _per_device(plan: Plan, fn, tree: list) -> list:
         lambda t: fn(t, local),
         mesh=mesh,
         in_specs=(jax.tree.map(lambda _: split, list(tree)),),
-        out_specs=[split] * len(plan.units),
+        out_specs=[split] * len(plan.units),  # a prefix: every array of a group's result
         axis_names=set(inner),
     )(list(tree))
 
@@ -298,13 +298,18 @@ def gather(plan: Plan, reducer: Reducer, shards: list) -> list[jax.Array]:
     return _per_device(plan, lambda s, _: reducer.stages.gather(list(s), rows), shards)
 
 
-def shard_zeros(plan: Plan, replicas: int, stages: Any) -> list[jax.Array]:
+def shard_zeros(plan: Plan, replicas: int, stages: Any) -> list:
     """Per group, a zero share of one piece (what a staged transfer gathers at its first
-    step, before any piece is scattered)."""
+    step, before any piece is scattered), as the scatter returns it: one device's share
+    (``stages.empty``) with each array's leading axis times ``plan.shards``, as the
+    devices' shares stand side by side (:func:`_per_device`)."""
     out = []
     for g in range(len(plan.units)):
-        rows = stages.shard_rows(_local_rows(plan, g), replicas) * plan.shards
-        out.append(jnp.zeros((rows, *plan.piece_shape(g)[1:]), plan.dtypes[g]))
+        rows = _local_rows(plan, g)
+        piece = jax.ShapeDtypeStruct((rows, *plan.piece_shape(g)[1:]), plan.dtypes[g])
+        local = stages.empty(rows, replicas, piece)
+        whole = lambda z: jnp.zeros((z.shape[0] * plan.shards, *z.shape[1:]), z.dtype)
+        out.append(jax.tree.map(whole, local))
     return out
 
 
@@ -391,11 +396,14 @@ def fill(plan: Plan, payload: Any, like=None, reducer: Reducer | None = None) ->
         if reducer is None or reducer.stages is None:
             return Buffer(wire, None)
         shard = shard_zeros(plan, axis_size(REPLICA), reducer.stages)  # gathered at step 0
-        if like is not None:
-            shard = like(shard, [jax.tree.leaves(w)[0] for w in wire])
+        if like is not None:  # every array of a group's share typed as its wire array
+            refs = [jax.tree.leaves(w)[0] for w in wire]
+            shard = [
+                like(s, jax.tree.map(lambda _, r=r: r, s)) for s, r in zip(shard, refs, strict=True)
+            ]
         return Buffer(wire, None, shard)
     if reducer is not None and reducer.stages is not None:
-        raise ValueError(f"reducer {reducer.kind!r}: its two stages take a plain payload")
+        raise ValueError(f"reducer {reducer.name!r}: its two stages take a plain payload")
     acc = zeros(plan)
     if like is not None:
         acc = like(acc, [jax.tree.leaves(w)[0] for w in wire])

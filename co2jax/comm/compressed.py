@@ -15,6 +15,7 @@ inside ``shard_map`` a data shard never shares a quantization block with a whole
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +28,12 @@ from co2jax.comm.reducer import (
     Grouped,
     Payload,
     Reducer,
+    all_gather_tree,
     gather_bytes,
     gather_reduce,
     per_contributor,
 )
+from co2jax.comm.staged import Stages, exchange_tree
 from co2jax.tree import flatten, tree_size
 
 
@@ -125,9 +128,13 @@ def all_reduce_compressed(codec: Codec, axis_name: str = REPLICA) -> Reducer:
     Each group's flattened payload (n elements) is cut into R shards of whole codec blocks,
     ``m = B ceil(ceil(n / B) / R)`` elements (:func:`shard_size`; ``B`` = ``codec.block``,
     1 for a codec without blocks; the last shards zero-padded). Each replica encodes its R
-    shards and sends shard i to replica i (an all-to-all of encoded shards: the
-    reduce-scatter); replica i decodes the R copies of its shard and averages them in float32,
-    encodes that mean and all-gathers it; every replica decodes the R mean shards.
+    shards and sends shard i to replica i (the reduce-scatter: R - 1 ``ppermute`` s of an
+    encoded shard, its arrays packed in one buffer, :func:`co2jax.comm.staged.exchange_tree`);
+    replica i decodes the R copies of its shard and averages them in float32, encodes that
+    mean and all-gathers it; every replica decodes the R mean shards. The two stages are the
+    reducer's ``stages``: a round that spreads a transfer over its steps scatters piece k at
+    step k and gathers its encoded mean at step k + 1, both in flight under the steps'
+    compute on TPU (:mod:`co2jax.comm.staged`; ``docs/overlap.md``).
 
     .. math::
 
@@ -161,23 +168,38 @@ def all_reduce_compressed(codec: Codec, axis_name: str = REPLICA) -> Reducer:
     check_axis_name("axis_name", axis_name)
     unit = codec.block or 1
 
-    def reduce_group(leaves: list, r: int) -> jax.Array:
-        flat, _ = flatten(leaves)
-        n = flat.size
+    def scatter_one(v: jax.Array) -> Any:
+        r, n = axis_size(axis_name), v.shape[0]
         m = shard_size(n, r, unit)
-        shards = jnp.pad(flat, (0, r * m - n)).reshape(r, m)
+        shards = jnp.pad(v, (0, r * m - n)).reshape(r, m)
         encoded = jax.vmap(codec.encode)(shards)  # leading axis: the destination replica
-        mine = jax.lax.all_to_all(encoded, axis_name, 0, 0)  # leading axis: the source
-        mean = codec.mean_of(mine, m)
-        gathered = jax.lax.all_gather(codec.encode(mean), axis_name)
+        mine = exchange_tree(encoded, axis_name)  # leading axis: the source
+        return codec.encode(codec.mean_of(mine, m))
+
+    def gather_one(share: Any, n: int) -> jax.Array:
+        m = shard_size(n, axis_size(axis_name), unit)
+        gathered = all_gather_tree(share, axis_name)
         return jax.vmap(lambda e: codec.decode(e, m))(gathered).reshape(-1)[:n]
 
+    def scatter(vectors: list[jax.Array]) -> list[Any]:
+        return [scatter_one(v) for v in vectors]
+
+    def gather(shares: list[Any], rows: list[int]) -> list[jax.Array]:
+        return [gather_one(s, n) for s, n in zip(shares, rows, strict=True)]
+
+    def empty(n: int, r: int, piece) -> Any:
+        vector = jax.ShapeDtypeStruct((shard_size(n, r, unit),), jnp.float32)
+        return jax.tree.map(
+            lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(codec.encode, vector)
+        )
+
     def reduce(payload: Payload) -> Payload:
-        r = axis_size(axis_name)
+        axis_size(axis_name)
         if not jax.tree.leaves(payload):
             return payload
         form, groups = Grouped.of(payload)
-        return form.assemble([reduce_group(g, r) for g in groups])
+        vectors = [flatten(g)[0] for g in groups]
+        return form.assemble(gather(scatter(vectors), [v.shape[0] for v in vectors]))
 
     def roundtrip(payload: Payload) -> Payload:
         # the shards are whole blocks of each group's vector: encoding the vector encodes
@@ -192,7 +214,12 @@ def all_reduce_compressed(codec: Codec, axis_name: str = REPLICA) -> Reducer:
         return 2.0 * (replicas - 1) * shard
 
     name = f"all_reduce_compressed({codec.name})"
-    return Reducer(name, reduce, wire, codec=codec, roundtrip=roundtrip)
+    # block by block, both quantizations in the whole vector's blocks: any whole blocks
+    # reduce alone (a chunk, a device's slice of one), and the stages may run apart
+    stages = Stages(scatter, gather, empty)
+    return Reducer(
+        name, reduce, wire, codec=codec, roundtrip=roundtrip, splittable=True, stages=stages
+    )
 
 
 def all_gather_topk(

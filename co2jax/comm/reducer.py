@@ -278,25 +278,39 @@ def _from_bytes(b: jax.Array, like: jax.Array) -> jax.Array:
     return out.astype(jnp.bool_) if like.dtype == jnp.bool_ else out
 
 
+def pack_rows(leaves: list) -> jax.Array:
+    """Row i of every leaf (each ``[r, ...]``) as one buffer of 32-bit words, ``[r, ...]``:
+    a bit cast, so :func:`unpack_rows` gives back exactly the same values. In rows of 128
+    words once padding them costs under 1% (the layout of a float32 array's tiles: a flat
+    byte vector was gathered by XLA:TPU as a synchronous all-reduce of a zero-padded
+    buffer), else in rows of one word."""
+    r = leaves[0].shape[0]
+    flat = [_as_bytes(x).reshape(r, -1) for x in leaves]
+    buffer = jnp.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]
+    row = 4 * _WORDS if buffer.shape[1] >= 100 * 4 * _WORDS else 4
+    buffer = jnp.pad(buffer, ((0, 0), (0, (-buffer.shape[1]) % row)))
+    words = jax.lax.bitcast_convert_type(buffer.reshape(r, -1, 4), jnp.uint32)
+    return words.reshape(r, -1, row // 4)
+
+
+def unpack_rows(words: jax.Array, likes: list) -> list:
+    """The leaves of :func:`pack_rows` from its ``[r, ...]`` words, each ``[r, *like.shape]``
+    (``likes``: one row of each leaf, arrays or ``ShapeDtypeStruct`` s)."""
+    data = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(words.shape[0], -1)
+    out, offset = [], 0
+    for like in likes:
+        size = math.prod(like.shape) * jnp.dtype(like.dtype).itemsize
+        out.append(_from_bytes(data[:, offset : offset + size], like))
+        offset += size
+    return out
+
+
 def _gather_packed(leaves: list, axis_name: str) -> list:
-    """``leaves`` all-gathered as one byte buffer (one leaf: as it is)."""
+    """``leaves`` all-gathered as one buffer of words (one leaf: as it is)."""
     if len(leaves) == 1:
         return [jax.lax.all_gather(leaves[0], axis_name)]
-    flat = [_as_bytes(x) for x in leaves]
-    buffer = jnp.concatenate(flat)
-    # as 32-bit words, in rows of 128 once padding them costs under 1%: the layout of a
-    # float32 array's tiles (a flat byte vector was gathered by XLA:TPU as a synchronous
-    # all-reduce of a zero-padded buffer)
-    row = 4 * _WORDS if buffer.size >= 100 * 4 * _WORDS else 4
-    buffer = jnp.pad(buffer, (0, (-buffer.size) % row))
-    words = jax.lax.bitcast_convert_type(buffer.reshape(-1, 4), jnp.uint32)
-    gathered = jax.lax.all_gather(words.reshape(-1, row // 4), axis_name)
-    gathered = jax.lax.bitcast_convert_type(gathered, jnp.uint8).reshape(gathered.shape[0], -1)
-    out, offset = [], 0
-    for x, b in zip(leaves, flat, strict=True):
-        out.append(_from_bytes(gathered[:, offset : offset + b.size], x))
-        offset += b.size
-    return out
+    words = pack_rows([x[None] for x in leaves])[0]
+    return unpack_rows(jax.lax.all_gather(words, axis_name), leaves)
 
 
 def all_gather_tree(tree: Any, axis_name: str, packed: bool = True) -> Any:

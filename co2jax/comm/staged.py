@@ -34,14 +34,23 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from co2jax._checks import check_axis_name
 from co2jax.axes import REPLICA, axis_size
-from co2jax.comm.reducer import Encoded, Grouped, Payload, Reducer, pmean, ring_bytes
+from co2jax.comm.reducer import (
+    Encoded,
+    Grouped,
+    Payload,
+    Reducer,
+    pack_rows,
+    pmean,
+    ring_bytes,
+    unpack_rows,
+)
 from co2jax.tree import common_dtype, flatten, tree_size
 
 
@@ -53,13 +62,15 @@ class Stages(NamedTuple):
         rows, or a whole vector) to this replica's reduced ``[ceil(u / R), ...]`` share.
       gather: ``gather(shards, rows) -> vectors``: the shards back to every replica's
         ``[u, ...]`` reduced arrays (``rows``: each group's ``u``).
-      shard_rows: ``shard_rows(u, r) -> int``: rows of a shard of ``u`` rows over ``r``
-        replicas.
+      empty: ``empty(u, r, piece) -> share``: a zero share of a ``u``-row array shaped and
+        typed like ``piece`` (a ``ShapeDtypeStruct``) over ``r`` replicas, shaped and typed
+        as ``scatter`` returns it (what a round gathers at its first step, before any piece
+        is scattered).
     """
 
-    scatter: Callable[[list[jax.Array]], list[jax.Array]]
-    gather: Callable[[list[jax.Array], list[int]], list[jax.Array]]
-    shard_rows: Callable[[int, int], int]
+    scatter: Callable[[list[jax.Array]], list[Any]]
+    gather: Callable[[list[Any], list[int]], list[jax.Array]]
+    empty: Callable[[int, int, Any], Any]
 
 
 def exchange(pieces: jax.Array, axis_name: str = REPLICA) -> jax.Array:
@@ -83,6 +94,28 @@ def exchange(pieces: jax.Array, axis_name: str = REPLICA) -> jax.Array:
         got = jax.lax.ppermute(row(pieces, i + s), axis_name, perm)  # from replica i - s
         out = jax.lax.dynamic_update_index_in_dim(out, got, (i - s) % r, 0)
     return out
+
+
+def exchange_tree(tree: Any, axis_name: str = REPLICA) -> Any:
+    """Every leaf of ``tree`` (each ``[R, ...]``, row j for replica j) exchanged as by
+    :func:`exchange`; several leaves (an encoding's values and scales) packed into one
+    buffer of 32-bit words per row (:func:`co2jax.comm.reducer.pack_rows`), so each shift
+    is one ``ppermute``, as one all-gather carries an encoding (``all_gather_tree``).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> q = jnp.arange(8, dtype=jnp.int8).reshape(2, 2, 2)  # replica r's row j: [4r+2j, +1]
+      >>> scale = jnp.array([[0.5, 1.0], [2.0, 4.0]])
+      >>> got = jax.vmap(lambda t: exchange_tree(t, "r"), axis_name="r")((q, scale))
+      >>> got[0][1], got[1][1]  # replica 1 gets row 1 of each replica's
+      (Array([[2, 3], [6, 7]], dtype=int8), Array([1., 4.], dtype=float32))
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    if len(leaves) == 1:
+        return jax.tree.unflatten(treedef, [exchange(leaves[0], axis_name)])
+    words = exchange(pack_rows(leaves), axis_name)
+    likes = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in leaves]
+    return jax.tree.unflatten(treedef, unpack_rows(words, likes))
 
 
 def shard_rows(u: int, r: int) -> int:
@@ -139,6 +172,9 @@ def staged_mean(axis_name: str = REPLICA) -> Reducer:
     def reduce_arrays(arrays: list[jax.Array]) -> list[jax.Array]:
         return gather(scatter(arrays), [a.shape[0] for a in arrays])
 
+    def empty(u: int, r: int, piece) -> jax.Array:
+        return jnp.zeros((shard_rows(u, r), *piece.shape[1:]), piece.dtype)
+
     def wire(shapes, r: int) -> float:
         leaves = jax.tree.leaves(shapes)
         return ring_bytes(tree_size(shapes) * jnp.dtype(common_dtype(leaves)).itemsize, r)
@@ -150,5 +186,5 @@ def staged_mean(axis_name: str = REPLICA) -> Reducer:
         pmean(axis_name).encode,  # the exact means' gather form: one flat array per group
         exact=True,
         splittable=True,
-        stages=Stages(scatter, gather, shard_rows),
+        stages=Stages(scatter, gather, empty),
     )
