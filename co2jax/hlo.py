@@ -286,7 +286,10 @@ class Flight(NamedTuple):
         another computation.
       sent: bytes one device sends per execution (ring algorithms: an all-reduce of B over g
         devices 2(g-1)/g B, an all-gather of B (g-1)/g B, a reduce-scatter to b (g-1) b, a
-        permute B).
+        permute B), averaged over the devices that run it: a permute, or a cross-slice
+        transfer, whose pairs start at only some of them (a shift of replicas that share
+        slices: XLA splits it into a permute inside the slices and one between them) counts
+        B times the share of devices that send.
       link: ``"ici"`` (inside a slice, or any single-slice or CPU/GPU program) or ``"dcn"``
         (between slices: XLA:TPU's megascale send/recv pairs, whose ``send`` carries this
         device's piece to the other slices).
@@ -393,11 +396,17 @@ def sent_bytes(c: Collective) -> int:
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(?P<kind>\w+)"')
 
 
-def _megascale(line: str, recv_shapes: dict, slices: int) -> tuple[int, int] | None:
+_TARGETS = re.compile(r"_xla_megascale_target=\{(.*?\})\}")
+
+
+def _megascale(
+    line: str, recv_shapes: dict, slices: int, devices: int = 0
+) -> tuple[int, int] | None:
     """``(bytes, sent)`` of a megascale ``send`` (a cross-slice transfer among ``slices``
     slices), else None: an all-gather's send is this device's piece, for the others; an
     all-to-all's holds a piece for each slice, its own kept; an all-reduce's is the whole
-    buffer (a ring's 2 (S-1)/S of it)."""
+    buffer (a ring's 2 (S-1)/S of it). A one-to-one transfer (a permute's part between
+    slices) lists its pairs: only their sources send, of ``devices`` in all."""
     kind = _MEGASCALE.search(line)
     if kind is None or " send(" not in line:
         return None
@@ -407,6 +416,10 @@ def _megascale(line: str, recv_shapes: dict, slices: int) -> tuple[int, int] | N
         if dt in _DTYPE_BYTES  # the data, then a u32[] and a token
     ]
     piece = sum(int(np.prod(d, dtype=np.int64)) * _DTYPE_BYTES[dt] for dt, d in shapes[:1])
+    targets = _TARGETS.search(line)
+    if targets is not None and devices:  # only the pairs' sources send
+        sources = {pair.split("->")[0] for pair in re.findall(r"\{(\d+->\d+)\}", targets.group(1))}
+        piece = piece * len(sources) // devices
     rendezvous = re.search(r'_xla_host_transfer_rendezvous="([^"]+)"', line)
     result = recv_shapes.get(rendezvous.group(1) if rendezvous else None, piece)
     kind = kind.group("kind")
@@ -452,6 +465,8 @@ def flights(hlo: str, mesh, axis: str) -> list[Flight]:
     comps = _computations(hlo)
     counts = _counts(comps)
     members = {d: g for g in want for d in g}
+    total = mesh.devices.size
+    per_slice = total // slices  # a permute's pairs number the devices of its slice
     recvs = _recv_bytes(hlo) if dcn else {}
 
     def spans(c: Collective) -> bool:
@@ -463,6 +478,11 @@ def flights(hlo: str, mesh, axis: str) -> list[Flight]:
                 for p in c.groups
             )
         return frozenset(tuple(sorted(g)) for g in c.groups) == want
+
+    def _sent(c: Collective) -> int:
+        if c.op != "collective-permute":
+            return sent_bytes(c)
+        return sent_bytes(c) * len({p[0] for p in c.groups}) // per_slice
 
     by_computation: dict[str, list[Collective]] = {}
     for c in collectives(hlo):
@@ -486,15 +506,13 @@ def flights(hlo: str, mesh, axis: str) -> list[Flight]:
         for i, (iname, op, line) in enumerate(instrs):
             found, link = None, "ici"
             if op in _COLLECTIVE_OPS or (op.endswith("-start") and op[:-6] in _COLLECTIVE_OPS):
-                found = [(c.bytes, sent_bytes(c), c.op) for c in collectives(line) if spans(c)]
+                found = [(c.bytes, _sent(c), c.op) for c in collectives(line) if spans(c)]
             elif op == "fusion" and iname.startswith("async-collective-start"):
                 callee = re.search(r"calls=%([\w.\-]+)", line).group(1)
                 found = [
-                    (c.bytes, sent_bytes(c), c.op)
-                    for c in by_computation.get(callee, ())
-                    if spans(c)
+                    (c.bytes, _sent(c), c.op) for c in by_computation.get(callee, ()) if spans(c)
                 ]
-            elif op == "send" and dcn and (moved := _megascale(line, recvs, slices)) is not None:
+            elif op == "send" and dcn and (moved := _megascale(line, recvs, slices, total)):
                 kind = _MEGASCALE.search(line).group("kind").lower().replace("_", "-")
                 found, link = [(*moved, kind)], "dcn"
             if not found:

@@ -178,6 +178,7 @@ def test_chunks_of_mixed_groups_under_shard_map(name):
 
 STAGED = {
     "staged": (lambda: comm.exact_mean("staged"), comm.pmean),
+    "staged_permutes": (lambda: comm.exact_mean("staged_permutes"), comm.pmean),
     # the two-step compressed all-reduce, in blocks of 4: its own whole reduction is the
     # twin (tests/test_two_step_feedback.py holds that one to the numpy loop)
     "two_step_int8": (lambda: comm.all_reduce_compressed(comm.int8(block=4)), None),

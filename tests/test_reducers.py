@@ -67,6 +67,9 @@ def test_shard_map_equals_mean(kind):
     elif kind == "staged":  # the reduce-scatter as permutes (pairs), then the all-gather
         assert any(c.op == "collective-permute" for c in co2jax.hlo.collectives(hlo))
         assert "all-gather" in ops and not ops & {"all-reduce", "all-to-all"}
+    elif kind == "staged_permutes":  # both stages as permutes: 2 (R - 1) of them
+        permutes = [c for c in co2jax.hlo.collectives(hlo) if c.op == "collective-permute"]
+        assert len(permutes) == 6 and not ops, (permutes, ops)
     elif expected:
         assert expected in ops
     else:  # a ring of collective-permutes: pairs, not groups
@@ -101,6 +104,7 @@ def test_wire_bytes():
     assert comm.ring_mean().wire_bytes(bf16, 4) == 150.0  # summed and sent in float32
     assert comm.all_gather_mean().wire_bytes(bf16, 4) == 150.0  # gathered in bfloat16
     assert comm.exact_mean("staged").wire_bytes(bf16, 4) == 75.0  # the ring's, in bfloat16
+    assert comm.exact_mean("staged_permutes").wire_bytes(bf16, 4) == 75.0
 
 
 @pytest.mark.parametrize("R", [2, 3, 4, 8])

@@ -297,17 +297,30 @@ def test_25m_on_two_slices_is_in_flight_under_compute():
 
 
 def test_replicas_sharing_slices_are_warned_about_and_measured_as_warned():
-    """Two replicas per slice (25M, 2 slices of v5e 2x4, R = 4: the staged mean): make_mesh
-    warns in one line (once per layout); the in-slice part of each step's all-gather is
-    compiled synchronous inside the step whose inner step scans over layers, every
-    cross-slice byte and every permute in flight (64%: what the warning says; the
-    all-gather mean's 33%; if the compiler learns to overlap it, drop the warning). On the
-    toy model (no loop inside the step) both parts are hidden."""
+    """Two replicas per slice (25M, 2 slices of v5e 2x4, R = 4): make_mesh warns in one line
+    (once per layout) of the DCN bytes; auto takes the staged mean gathered by permutes,
+    every byte in flight, as many per slice over DCN as the warning says (each replica
+    sends its own: 2x one replica per slice's). Its twin with the all-gather
+    (``reducer="staged"``): the in-slice part of each step's all-gather is compiled
+    synchronous inside the step whose inner step scans over layers, every cross-slice byte
+    and every permute in flight (if the compiler learns to overlap it, the policy need not
+    tell the layouts apart). On the toy model (no loop inside the step) both are hidden."""
     with pytest.warns(UserWarning, match="2 replicas share each TPU slice") as caught:
         mesh = co2jax.make_mesh(replica=4, data=4, devices=_slices(2, "v5e:2x4"))
     assert len(caught) == 1 and "\n" not in str(caught[0].message)
     program, text = _model_round(AT_SCALE["co2"](), mesh)  # RoundTrainer does not warn again
-    assert program.plan.kinds == ("staged",)
+    assert program.plan.kinds == ("staged_permutes",)
+    assert hlo.hidden_fraction(text, mesh, "replica") >= 0.95
+    found = hlo.flights(text, mesh, "replica")
+    dcn = sum(f.sent * f.count for f in found if f.link == "dcn") * 4  # chips a replica
+    # one replica a slice, staged alike (auto: the all-gather at R = 2, (K + 1) / K less)
+    one_each = co2jax.make_mesh(replica=2, data=8, devices=_slices(2, "v5e:2x4"))
+    _, alone = _model_round(AT_SCALE["co2"](), one_each, reducer="staged")
+    flights = hlo.flights(alone, one_each, "replica")
+    assert flights and all(f.link == "dcn" for f in flights)
+    per_slice = sum(f.sent * f.count for f in flights) * 8
+    assert 2 * dcn == pytest.approx(2 * per_slice, rel=0.05)  # two replicas a slice: 2x
+    _, text = _model_round(AT_SCALE["co2"](), mesh, reducer="staged")
     found = hlo.flights(text, mesh, "replica")
     assert all(f.hidden for f in found if f.link == "dcn" or f.op != "all-gather")
     assert {(f.link, f.op) for f in found if not f.hidden} == {("ici", "all-gather")}

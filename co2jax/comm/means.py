@@ -3,8 +3,9 @@
 Each is the element-wise replica mean; they differ in how they cross the replica axis and
 so in how a compiler can schedule them (``docs/overlap.md``): ``pmean`` (an all-reduce),
 ``all_gather`` (then a local float32 sum), ``ring`` (``ppermute`` steps), ``scatter_gather``
-(an all-to-all, then an all-gather) and ``staged`` (permutes, then an all-gather, which a
-round may run at consecutive steps: :mod:`co2jax.comm.staged`).
+(an all-to-all, then an all-gather), ``staged`` (permutes, then an all-gather, which a
+round may run at consecutive steps: :mod:`co2jax.comm.staged`) and ``staged_permutes`` (the
+same, its all-gather by permutes too: for replicas that share TPU slices).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -32,6 +33,7 @@ KINDS = {
     "ring": ring_mean,
     "scatter_gather": scatter_gather_mean,
     "staged": staged_mean,
+    "staged_permutes": lambda axis_name: staged_mean(axis_name, gather="permutes"),
 }
 EXACT = tuple(KINDS)
 

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from co2jax._checks import check_axis_name
+from co2jax._checks import check_axis_name, check_choice
 from co2jax.axes import REPLICA, axis_size
 from co2jax.comm.reducer import (
     Encoded,
@@ -140,21 +140,44 @@ def gather_shards(shard: jax.Array, u: int, axis_name: str = REPLICA) -> jax.Arr
     return gathered.reshape(-1, *shard.shape[1:])[:u]
 
 
-def staged_mean(axis_name: str = REPLICA) -> Reducer:
+def permute_shards(shard: jax.Array, u: int, axis_name: str = REPLICA) -> jax.Array:
+    """Stage two by R - 1 ``ppermute`` s (shift s: this replica's share to replica i + s),
+    the first ``u`` rows: :func:`gather_shards`' values and bytes. Where replicas share TPU
+    slices, XLA:TPU compiles the all-gather's part inside a slice synchronous; each permute
+    stays asynchronous (``docs/overlap.md``)."""
+    r, i = axis_size(axis_name), jax.lax.axis_index(axis_name)
+    out = jax.lax.dynamic_update_index_in_dim(
+        jnp.zeros((r, *shard.shape), shard.dtype), shard, i, 0
+    )
+    for s in range(1, r):
+        perm = [(j, (j + s) % r) for j in range(r)]
+        got = jax.lax.ppermute(shard, axis_name, perm)  # from replica i - s
+        out = jax.lax.dynamic_update_index_in_dim(out, got, (i - s) % r, 0)
+    return out.reshape(-1, *shard.shape[1:])[:u]
+
+
+GATHERS = {"all_gather": gather_shards, "permutes": permute_shards}
+
+
+def staged_mean(axis_name: str = REPLICA, gather: str = "all_gather") -> Reducer:
     """The exact mean in two stages (this module): a ring all-reduce's bytes,
     ``2 (R-1)/R`` of the payload in its own dtype, each stage asynchronous on TPU.
 
     Each group of leaves (one leaf of two or more axes in its own shape, else its leaves
     flattened in their common dtype) is reduced along its leading axis. ``stages`` lets a
-    round run the two at consecutive steps (:mod:`co2jax.comm.chunks`).
+    round run the two at consecutive steps (:mod:`co2jax.comm.chunks`). ``gather``: stage
+    two as one all-gather (:func:`gather_shards`) or as R - 1 permutes
+    (:func:`permute_shards`, for replicas that share TPU slices).
     """
     check_axis_name("axis_name", axis_name)
+    check_choice("gather", gather, tuple(GATHERS))
+    gather_one = GATHERS[gather]
 
     def scatter(vectors: list[jax.Array]) -> list[jax.Array]:
         return [scatter_mean(v, axis_name) for v in vectors]
 
     def gather(shards: list[jax.Array], rows: list[int]) -> list[jax.Array]:
-        return [gather_shards(s, u, axis_name) for s, u in zip(shards, rows, strict=True)]
+        return [gather_one(s, u, axis_name) for s, u in zip(shards, rows, strict=True)]
 
     def reduce(payload: Payload) -> Payload:
         r = axis_size(axis_name)
@@ -180,7 +203,7 @@ def staged_mean(axis_name: str = REPLICA) -> Reducer:
         return ring_bytes(tree_size(shapes) * jnp.dtype(common_dtype(leaves)).itemsize, r)
 
     return Reducer(
-        "staged",
+        "staged" if gather == "all_gather" else f"staged_{gather}",
         reduce,
         wire,
         pmean(axis_name).encode,  # the exact means' gather form: one flat array per group

@@ -176,6 +176,7 @@ def choose(
     split_state: bool = False,
     devices_per_replica: int = 1,
     split_payload: bool = True,
+    shared_slices: bool = False,
 ) -> RoundPlan:
     """The :class:`RoundPlan` of ``outer``'s resolved ``transfers`` on a mesh of
     ``platform`` with ``replicas`` replicas (``reducer``: the engine's choice).
@@ -185,7 +186,8 @@ def choose(
     instead of being handed to it gathered. ``split_payload``: each chunk of a spread
     transfer is split over the replica's ``devices_per_replica`` devices, each sending its
     slice (:func:`co2jax.comm.policy.chunk_shards`); so is an overlapped transfer in one
-    piece from a split outer state (:func:`splits_whole`)."""
+    piece from a split outer state (:func:`splits_whole`). ``shared_slices``: several
+    replicas share each of several TPU slices (:func:`co2jax.comm.policy.chunk_kind`)."""
     run = spread_schedule(outer, transfers, spread, platform, payload_shapes)
     gathered = outer.accepts_gathered and not (split_state and platform in LOWERED)
     chosen = [
@@ -201,6 +203,7 @@ def choose(
             accepts_gathered=gathered,
             axis_name=REPLICA,
             steps=t.chunks,
+            shared_slices=shared_slices,
         )
         for t, shapes in zip(run, payload_shapes, strict=True)
     ]

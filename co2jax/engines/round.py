@@ -58,7 +58,7 @@ from co2jax.engines.batches import check_batch, shapes_key
 from co2jax.engines.execute import Carry, RoundDriver, Specs, cosine, inner_step
 from co2jax.engines.layout import Layout, full_spec
 from co2jax.engines.program import RoundPlan, RoundProgram, check_spread, choose
-from co2jax.mesh import compiler_sharded, replica_map, warn_hybrid
+from co2jax.mesh import compiler_sharded, replica_map, replicas_per_slice, warn_hybrid
 from co2jax.protocol import OuterOptimizer, resolve
 from co2jax.tree import varying_like
 
@@ -214,7 +214,7 @@ class RoundTrainer:
         self.replicas, self.data = mesh.shape[REPLICA], mesh.shape[DATA]
         self.platform = mesh.devices.flat[0].platform
         compilation_cache.guard(mesh.devices.flat)  # a warning: unsafe on a CPU mesh
-        warn_hybrid(mesh)  # replicas sharing TPU slices: in-slice transfers do not overlap
+        warn_hybrid(mesh)  # replicas sharing TPU slices: more DCN bytes than one per slice
         self.layout = Layout(dict(mesh.shape), shard_outer_state, fsdp)
         self.fsdp = self.layout.fsdp
         self.param_specs = param_specs
@@ -421,6 +421,7 @@ class RoundTrainer:
             split_state=self.layout.sharded,
             devices_per_replica=self.mesh.devices.size // self.replicas,
             split_payload=self.split_payload,
+            shared_slices=replicas_per_slice(self.mesh) > 1,
         )
         return plan, self._per_replica_specs(one(state.params))
 
