@@ -245,3 +245,28 @@ def test_a_staged_transfer_spans_one_step_more_than_its_pieces():
         # within 1%: 4096 rows cut into 15 pieces pad the last one to whole rows
         assert got == pytest.approx(ring * slots / (slots - 1), rel=0.01)
         assert wire_bytes((t,), shapes, (gathered,), 8) == pytest.approx(4 * ring, rel=1e-3)
+
+
+def test_chunks_in_rows_are_whole_tiles_where_that_pads_little():
+    """A chunk in rows holds whole TPU tiles (8 rows) per device, and per replica's share
+    of them for a staged reducer, where that pads it by at most 1/64; else fewer
+    constraints, down to whole rows per device. What the rows cost: at most 1/64 more."""
+    from co2jax.comm.chunks import SUBLANES, _row_units
+
+    assert SUBLANES == 8
+    assert _row_units(32791, 4, 4) == 32896  # whole tiles per share: 128 | rows
+    assert _row_units(32791, 4, 1) == 32800  # whole tiles per device
+    assert _row_units(601, 1, 8) == 608  # 64 | rows would pad more than 1/64: 8 | rows
+    assert _row_units(274, 1, 8) == 274  # either would: as it is
+    assert _row_units(275, 2, 1) == 276  # whole rows per device
+    for count in (1, 63, 511, 512, 4097, 32791, 98365):
+        for shards in (1, 2, 4):
+            for replicas in (1, 4, 16):
+                rows = _row_units(count, shards, replicas)
+                assert rows % shards == 0 and count <= rows
+                assert rows - count < max(shards, count / 64), (count, shards, replicas)
+    shapes = {"w": jax.ShapeDtypeStruct((12, 4096, 1024), jnp.bfloat16)}
+    staged, gathered = comm.exact_mean("staged"), comm.exact_mean("all_gather")
+    cut = chunks.plan(shapes, staged, 3, shards=4, replicas=4)
+    assert cut.lanes == (1024,) and cut.units[0] % (4 * 4 * SUBLANES) == 0
+    assert chunks.plan(shapes, gathered, 3, shards=4, replicas=4).units[0] % (4 * SUBLANES) == 0

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from co2jax.axes import DATA
+from co2jax.axes import DATA, REPLICA, axis_size
 from co2jax.comm import chunks
 from co2jax.comm.reducer import values
 from co2jax.engines import gradients, recovery
@@ -152,7 +152,8 @@ class RoundDriver:
             self.store[i] = (payload, self.reducers[i](payload))
             return c
         pieces = chunks.pieces(self.reducers[i], t.chunks)
-        cut = chunks.plan(payload, self.reducers[i], pieces, shards=shards)
+        replicas = axis_size(REPLICA)
+        cut = chunks.plan(payload, self.reducers[i], pieces, shards=shards, replicas=replicas)
         if t.chunks == 1:  # one piece, each device's slice reduced here: kept out of the
             # loop's carry, so its collective may stay in flight across the loop
             piece = chunks.take(chunks.split(cut, payload), 0)

@@ -153,7 +153,9 @@ def wire_bytes(
             total += reducer.wire_bytes(shapes, replicas)
             continue
         pieces = chunks.pieces(reducer, t.chunks)
-        cut = chunks.plan(shapes, reducer, pieces, shards=split_over(reducer, shards))
+        cut = chunks.plan(
+            shapes, reducer, pieces, shards=split_over(reducer, shards), replicas=replicas
+        )
         piece = [
             jax.ShapeDtypeStruct(cut.piece_shape(g), cut.dtypes[g]) for g in range(len(cut.units))
         ]
