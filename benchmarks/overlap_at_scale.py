@@ -22,9 +22,9 @@ size, replica count R, slice count and case (algorithm and payload) it prints
 
 Models: the benchmarks' residual MLP (pre-norm blocks, layers scanned, bf16): d_model 1024,
 d_ff 4096 (8.4M parameters a layer) up to 100M, and d_model 2048, d_ff 8192 (33.6M a layer)
-for 1B. H = 4 inner steps unless ``--steps`` (chunks are per step: at 1B, H = 4 makes a
-chunk a quarter of the payload, which XLA:TPU schedules synchronously at R = 4; H = 16 keeps
-it in flight); Streaming DiLoCo: 2 fragments, 2 H steps, tau = 1 or 2 (its ratios are against
+for 1B. H = 4 inner steps unless ``--steps`` (chunks are per step; at 1B, R = 4 and H = 4
+the all-gather's quarter-payload chunks were synchronous, the staged mean's are in flight);
+Streaming DiLoCo: 2 fragments, 2 H steps, tau = 1 or 2 (its ratios are against
 the pmean round of H steps). The outer state is split over data for 1B (``--shard-outer-state``
 ``on`` / ``off`` for any size; the baseline takes the same layout).
 
