@@ -187,6 +187,7 @@ STAGED = {
 
 @pytest.mark.parametrize("name", list(STAGED))
 @pytest.mark.parametrize("R,K", [(3, 1), (4, 3), (5, 4)])
+@pytest.mark.cases("each")
 def test_staged_pieces_over_one_step_more_equal_the_mean(R, K, name):
     """A staged reducer's K pieces over steps 0..K, every step alike (``reduce_chunk``: step
     c gathers piece c - 1 and scatters piece c; step 0 gathers a zero share, step K
