@@ -268,10 +268,7 @@ def same_varying_axes(operands: list[jax.Array]) -> list[jax.Array] | None:
     union = frozenset().union(*(k.varying for k in kinds))
     if not union:
         return None
-    return [
-        jax.lax.pcast(x, tuple(sorted(union - k.varying)), to="varying") if union - k.varying else x
-        for x, k in zip(operands, kinds, strict=True)
-    ]
+    return [_varying(x, union) for x in operands]
 
 
 def typed_call(call, out_shape, *operands, compiled: bool = True):

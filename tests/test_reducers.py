@@ -86,6 +86,11 @@ def test_as_the_reduce_of_an_algorithm(kind):
     np.testing.assert_allclose(got, tb.co2_paper(problem, 0.1, 3, 4, 1.0, 0.5), **TOL)
 
 
+def test_each_exact_mean_is_named_as_chosen():
+    """The name a run records and an error quotes is the kind the user chose."""
+    assert [comm.exact_mean(kind).name for kind in comm.EXACT] == list(comm.EXACT)
+
+
 def test_unknown_kind():
     with pytest.raises(ValueError, match="reducer='tree'"):
         comm.exact_mean("tree")

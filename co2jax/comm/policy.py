@@ -133,15 +133,14 @@ def compiler_options(platform: str, reducers: tuple[Reducer, ...], replicas: int
       >>> from co2jax.comm import exact_mean
       >>> compiler_options("tpu", (exact_mean("staged"),), 16)
       {'xla_max_concurrent_async_collective_permutes': 16}
+      >>> compiler_options("tpu", (exact_mean("staged_permutes"),), 16)  # gathers by permutes too
+      {'xla_max_concurrent_async_collective_permutes': 32}
       >>> compiler_options("cpu", (exact_mean("staged"),), 16)
       {}
     """
     if platform != "tpu" or not any(r.stages is not None for r in reducers):
         return {}
-    # a step's permutes: R - 1 for the scatter, R - 1 more where the gather is by permutes
-    per_step = max(
-        (2 if r.name == "staged_permutes" else 1) * replicas for r in reducers if r.stages
-    )
+    per_step = max(r.stages.permutes * replicas for r in reducers if r.stages)
     return {"xla_max_concurrent_async_collective_permutes": max(PERMUTES_IN_FLIGHT, per_step)}
 
 

@@ -66,11 +66,15 @@ class Stages(NamedTuple):
         typed like ``piece`` (a ``ShapeDtypeStruct``) over ``r`` replicas, shaped and typed
         as ``scatter`` returns it (what a round gathers at its first step, before any piece
         is scattered).
+      permutes: collective-permutes a step issues per replica, in units of ``R - 1``: 1
+        where only the scatter sends by permutes, 2 where the gather does too (what
+        :func:`co2jax.comm.policy.compiler_options` lets XLA:TPU keep in flight).
     """
 
     scatter: Callable[[list[jax.Array]], list[Any]]
     gather: Callable[[list[Any], list[int]], list[jax.Array]]
     empty: Callable[[int, int, Any], Any]
+    permutes: int = 1
 
 
 def exchange(pieces: jax.Array, axis_name: str = REPLICA) -> jax.Array:
@@ -145,15 +149,9 @@ def permute_shards(shard: jax.Array, u: int, axis_name: str = REPLICA) -> jax.Ar
     the first ``u`` rows: :func:`gather_shards`' values and bytes. Where replicas share TPU
     slices, XLA:TPU compiles the all-gather's part inside a slice synchronous; each permute
     stays asynchronous (``docs/overlap.md``)."""
-    r, i = axis_size(axis_name), jax.lax.axis_index(axis_name)
-    out = jax.lax.dynamic_update_index_in_dim(
-        jnp.zeros((r, *shard.shape), shard.dtype), shard, i, 0
-    )
-    for s in range(1, r):
-        perm = [(j, (j + s) % r) for j in range(r)]
-        got = jax.lax.ppermute(shard, axis_name, perm)  # from replica i - s
-        out = jax.lax.dynamic_update_index_in_dim(out, got, (i - s) % r, 0)
-    return out.reshape(-1, *shard.shape[1:])[:u]
+    # every replica sends the same piece to all: the exchange of R copies of the share
+    copies = jnp.broadcast_to(shard, (axis_size(axis_name), *shard.shape))
+    return exchange(copies, axis_name).reshape(-1, *shard.shape[1:])[:u]
 
 
 GATHERS = {"all_gather": gather_shards, "permutes": permute_shards}
@@ -172,6 +170,7 @@ def staged_mean(axis_name: str = REPLICA, gather: str = "all_gather") -> Reducer
     check_axis_name("axis_name", axis_name)
     check_choice("gather", gather, tuple(GATHERS))
     gather_one = GATHERS[gather]
+    name, permutes = ("staged", 1) if gather == "all_gather" else (f"staged_{gather}", 2)
 
     def scatter(vectors: list[jax.Array]) -> list[jax.Array]:
         return [scatter_mean(v, axis_name) for v in vectors]
@@ -203,11 +202,11 @@ def staged_mean(axis_name: str = REPLICA, gather: str = "all_gather") -> Reducer
         return ring_bytes(tree_size(shapes) * jnp.dtype(common_dtype(leaves)).itemsize, r)
 
     return Reducer(
-        "staged" if gather == "all_gather" else f"staged_{gather}",
+        name,
         reduce,
         wire,
         pmean(axis_name).encode,  # the exact means' gather form: one flat array per group
         exact=True,
         splittable=True,
-        stages=Stages(scatter, gather, empty),
+        stages=Stages(scatter, gather, empty, permutes),
     )
