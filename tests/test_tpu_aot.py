@@ -687,6 +687,22 @@ def test_25m_compressed_payloads_are_in_flight_and_sent_once(name, wide_mesh):
     assert 0.99 < sent / program.plan.wire_bytes < 1.01, (sent, program.plan.wire_bytes)
 
 
+def test_topk_error_feedback_at_four_replicas_is_in_flight_and_sent_once(wide_mesh):
+    """Top-k with error feedback, R = 4 x data 2 on v5e 2x4, one layer (8.4M), H = 4:
+    every byte of the replica-axis gather in flight and each of a replica's 2 chips sends
+    half of the codec's bytes. The residual decodes the replica's own encoding, a scatter
+    per row of its chunk (``select.scatter_rows``); written with a row index per element
+    (``scatter_rows_reference``) the partitioner gathered the chunk's encoding over
+    ``data`` twice a step and this gather was compiled synchronous (0% in flight)."""
+    mesh = co2jax.make_mesh(replica=4, data=2, devices=wide_mesh.devices.reshape(-1))
+    program, text = _model_round(_compressed_at_scale()["topk_error_feedback"](), mesh, layers=1)
+    assert program.transfers[0].chunks == 4 and program.plan.shards == 2
+    found = hlo.flights(text, mesh, "replica")
+    assert hlo.hidden_fraction(text, mesh, "replica") >= 0.95, found
+    sent = sum(f.sent * f.count for f in found) * 2  # the replica's 2 chips
+    assert 0.99 < sent / program.plan.wire_bytes < 1.01, (sent, program.plan.wire_bytes)
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["whole_outer_state", "split_outer_state"])
 def test_25m_whole_payload_is_synchronous_unspread(split, wide_mesh):
     """The failure the spread schedule fixes: unspread, the whole payload's all-gather is

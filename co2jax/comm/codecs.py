@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from co2jax._checks import check_choice, check_int
-from co2jax.comm.select import top_k_by_magnitude
+from co2jax.comm.select import scatter_rows, top_k_by_magnitude
 from co2jax.kernels import quantize as qk
 from co2jax.kernels.api import check_implementation, resolve
 from co2jax.kernels.spec import LANES
@@ -279,8 +279,7 @@ def topk(k: int, chunk: int = 4096, values: Codec | None = None) -> Codec:
         idx, vals = enc
         chunks = idx.shape[0]
         picked = values.decode(vals, chunks * k).reshape(chunks, k)
-        out = jnp.zeros((chunks, chunk), jnp.float32)
-        out = out.at[jnp.arange(chunks)[:, None], idx.astype(jnp.int32)].set(picked)
+        out = scatter_rows(idx.astype(jnp.int32), picked.astype(jnp.float32), chunk)
         return out.reshape(-1)[:n]
 
     def wire_bytes(n):
@@ -293,10 +292,8 @@ def topk(k: int, chunk: int = 4096, values: Codec | None = None) -> Codec:
 
 def support(encoded: Any, chunk: int, n: int) -> jax.Array:
     """The float32 0/1 indicator of the indices a :func:`topk` encoding selected."""
-    idx = encoded[0]
-    rows = jnp.arange(idx.shape[0])[:, None]
-    out = jnp.zeros((idx.shape[0], chunk), jnp.float32).at[rows, idx.astype(jnp.int32)].set(1.0)
-    return out.reshape(-1)[:n]
+    idx = encoded[0].astype(jnp.int32)
+    return scatter_rows(idx, jnp.ones(idx.shape, jnp.float32), chunk).reshape(-1)[:n]
 
 
 def make(name: str, **options) -> Codec:

@@ -44,7 +44,7 @@ from co2jax.comm.reducer import (
     gather_reduce,
     per_contributor,
 )
-from co2jax.comm.select import top_k_by_magnitude
+from co2jax.comm.select import scatter_rows, top_k_by_magnitude
 from co2jax.tree import tree_bytes
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -195,11 +195,11 @@ class _DCTForm(Grouped):
                 li = idx[:, offset : offset + n].reshape(replicas, chunks, kept).astype(jnp.int32)
                 lv = vals[:, offset : offset + n].reshape(replicas, chunks, kept)
                 offset += n
-                rows = jnp.arange(chunks)[None, :, None]
-                zeros = jnp.zeros((chunks, per), jnp.float32)
+                by_chunk = lambda a, c=chunks: jnp.swapaxes(a, 0, 1).reshape(c, -1)
                 wr = jnp.broadcast_to(w.astype(jnp.float32)[:, None, None], lv.shape)
-                total = zeros.at[rows, li].add(lv.astype(jnp.float32) * wr)
-                count = zeros.at[rows, li].add(wr)
+                li = by_chunk(li)
+                total = scatter_rows(li, by_chunk(lv.astype(jnp.float32) * wr), per, add=True)
+                count = scatter_rows(li, by_chunk(wr), per, add=True)
                 mean = per_contributor(total, count)
                 leaf = chunked_idct(mean, self.shapes[i], self.chunk)
                 leaves[i] = leaf.astype(self.dtypes[i])

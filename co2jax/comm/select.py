@@ -1,4 +1,5 @@
-"""Top-k by magnitude and table look-ups, written as a sort and a select (no gather).
+"""Top-k by magnitude, its scatter back and table look-ups, written so that XLA's SPMD
+partitioner splits them by rows (a sort and a select, no gather; a scatter per row).
 
 Every compressed reducer picks, per row of a chunked payload, the ``k`` largest-magnitude
 entries and their values. The textbook form is ``lax.top_k`` then ``take_along_axis`` (a
@@ -9,7 +10,11 @@ as ``lax.top_k``; a NaN ranks first, as in ``lax.top_k``) and the same values
 replica-manual programs a row split over both ``data`` and ``model`` reaches a gather that
 XLA's SPMD partitioner aborts the process on (jax 0.10.2: ``spmd_partitioner_util.cc``
 ``Check failed: partition_group_list.num_replica_groups() * ...``); a sort and a select
-partition as any element-wise op does.
+partition as any element-wise op does. The way back, :func:`scatter_rows`, is a scatter
+batched over the rows: written with a row index per element instead, the partitioner
+gathers a chunk split over ``data`` whole onto every chip before scattering it (two
+all-gathers a step in a TPU round that spreads top-k with error feedback; compiled, they
+held the round's replica-axis gather out of flight).
 
 Example:
   >>> import jax.numpy as jnp
@@ -38,6 +43,34 @@ def top_k_by_magnitude_reference(x: jax.Array, k: int) -> tuple[jax.Array, jax.A
     gather of the values."""
     _, idx = jax.lax.top_k(jnp.abs(x), k)
     return idx, jnp.take_along_axis(x, idx, axis=-1)
+
+
+def scatter_rows(idx: jax.Array, values: jax.Array, width: int, add: bool = False) -> jax.Array:
+    """``out[r, idx[r, j]] = values[r, j]`` (``add``: summed over repeated indices) in a
+    ``[rows, width]`` array of zeros, as a scatter batched over the rows (each row's its
+    own), so that a partitioner splits it by rows. :func:`scatter_rows_reference` is the
+    twin a test compares.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> scatter_rows(jnp.array([[2, 0]]), jnp.array([[5.0, 7.0]]), 4).tolist()
+      [[7.0, 0.0, 5.0, 0.0]]
+    """
+
+    def one(i: jax.Array, v: jax.Array) -> jax.Array:
+        row = jnp.zeros((width,), values.dtype).at[i]
+        return row.add(v) if add else row.set(v)
+
+    return jax.vmap(one)(idx, values)
+
+
+def scatter_rows_reference(
+    idx: jax.Array, values: jax.Array, width: int, add: bool = False
+) -> jax.Array:
+    """The textbook twin of :func:`scatter_rows`: one scatter with a row index per element."""
+    rows = jnp.arange(idx.shape[0])[:, None]
+    at = jnp.zeros((idx.shape[0], width), values.dtype).at[rows, idx]
+    return at.add(values) if add else at.set(values)
 
 
 def lookup(table: jax.Array, codes: jax.Array) -> jax.Array:

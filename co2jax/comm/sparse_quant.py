@@ -72,7 +72,7 @@ from co2jax.comm.reducer import (
     gather_reduce,
     per_contributor,
 )
-from co2jax.comm.select import lookup, top_k_by_magnitude
+from co2jax.comm.select import lookup, scatter_rows, top_k_by_magnitude
 
 BINS = (2, 4, 16, 256)
 """Bin counts whose codes pack whole into bytes (1, 2, 4 or 8 bits)."""
@@ -287,11 +287,11 @@ def _reduce_leaf(wire: jax.Array, t: Tiling, average: str, clip: bool, weights=N
             median = ranked[(jnp.sum(present) - 1) // 2]
         vals = vals * jnp.minimum(median / (norms + CLIP_EPS), 1.0)[:, None, None]
     w = jnp.ones((r,), jnp.float32) if weights is None else weights.astype(jnp.float32)
-    rows = jnp.broadcast_to(jnp.arange(t.chunks)[None, :, None], idx.shape)
-    total = jnp.zeros((t.chunks, t.chunk), jnp.float32).at[rows, idx].add(vals * w[:, None, None])
+    by_chunk = lambda a: jnp.swapaxes(a, 0, 1).reshape(t.chunks, -1)  # [chunks, R k]
+    total = scatter_rows(by_chunk(idx), by_chunk(vals * w[:, None, None]), t.chunk, add=True)
     if average == "contributors":
-        ones = jnp.broadcast_to(w[:, None, None], idx.shape)
-        count = jnp.zeros((t.chunks, t.chunk), jnp.float32).at[rows, idx].add(ones)
+        ones = by_chunk(jnp.broadcast_to(w[:, None, None], idx.shape))
+        count = scatter_rows(by_chunk(idx), ones, t.chunk, add=True)
         total = per_contributor(total, count)
     else:
         total = total / (r if weights is None else jnp.sum(w))
