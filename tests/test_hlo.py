@@ -143,3 +143,20 @@ def test_hybrid_replicas_in_slice_part_is_counted_beside_the_cross_slice_part():
 def test_bytes_one_device_sends(line, sent):
     [c] = hlo.collectives("  " + line)
     assert hlo.sent_bytes(c) == sent
+
+
+def test_a_permute_between_slices_counts_only_its_pairs_sources():
+    """A collective-permute that XLA splits between slices (a ONE_TO_ONE megascale send,
+    its pairs listed; here 8 of 16 chips send, as compiled for R = 4 on 2 v5e 2x4 slices):
+    each of the 16 chips is counted for 8/16 of the piece, not the whole of it."""
+    # chips 4-7 of each slice send to chips 0-3 of the other
+    pairs = ",".join(f"{{10000{j}->20000{7 - j}}},{{20000{j}->10000{7 - j}}}" for j in (7, 6, 5, 4))
+    line = (
+        "%send.12 = (bf16[74,1024]{1,0:T(8,128)(2,1)}, u32[], token[]) send(%f, %a),"
+        " channel_id=2, is_host_transfer=true, frontend_attributes={_xla_host_transfer_"
+        'handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="ppermute.36_0",'
+        f'_xla_megascale_target={{{pairs}}},_xla_megascale_transfer_type="ONE_TO_ONE"}}'
+    )
+    piece = 74 * 1024 * 2
+    received = {"ppermute.36_0": piece}  # the recv's buffer, by rendezvous
+    assert hlo._megascale(line, received, slices=2, devices=16) == (piece, piece // 2)
