@@ -188,6 +188,33 @@ def test_mixed_groups_are_gathered_apart():
         )
 
 
+@pytest.mark.parametrize(
+    "leaves",
+    [
+        # (dtype, one row's shape): whole words along the rows (int8: 4, bf16: 2 a word),
+        # along the last axis, through the bytes, 4-byte elements as they are
+        [("int8", (8, 128)), ("float32", (8,))],
+        [("int8", (3, 8)), ("bfloat16", (6, 10)), ("int8", (3, 5)), ("bool", (4, 4))],
+        [("uint8", (7,)), ("float32", (33,)), ("int32", (2, 3)), ("bfloat16", (5,))],
+        # a buffer of 100 rows of 128 words or more: each leaf starts on a row
+        [("int8", (512, 128)), ("float32", (512,)), ("uint8", (3,))],
+    ],
+    ids=["encoding", "small_types", "odd", "in_rows"],
+)
+def test_packed_rows_unpack_to_the_same_bits(leaves):
+    """pack_rows then unpack_rows gives every leaf back bit for bit, for 3 rows of each."""
+    rng = np.random.default_rng(1)
+    arrays = [jnp.asarray(rng.normal(size=(3, *shape)) * 100).astype(dt) for dt, shape in leaves]
+    words = comm.reducer.pack_rows(arrays)
+    assert words.dtype == jnp.uint32 and words.shape[0] == 3
+    likes = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in arrays]
+    for got, want in zip(comm.reducer.unpack_rows(words, likes), arrays, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if words.shape[-1] == 128:  # int8 codes 4 rows a word: 128 rows; scales 4 rows; 1 row
+        assert words.shape == (3, 128 + 4 + 1, 128)
+
+
 @pytest.mark.parametrize("dtypes", [("int8", "float32"), ("bfloat16", "int32", "bool", "uint8")])
 def test_packed_gather_equals_gathering_leaf_by_leaf(dtypes):
     """One collective for an encoding's arrays (bit cast to bytes) gives exactly what a
