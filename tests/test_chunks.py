@@ -124,14 +124,41 @@ def test_chunks_in_rows_equal_the_whole(name, K):
             np.testing.assert_array_equal(got[k], want[k])
 
 
+@pytest.mark.parametrize("K", [1, 2, 3])
+@pytest.mark.parametrize("name", ["int8", "fp4"])
+@pytest.mark.cases("each")
+def test_codec_chunks_in_rows_equal_the_whole(name, K):
+    """A compressed reducer's chunks as rows of whole codec blocks (lanes 8, blocks of 8;
+    1024 and 128 by default) where every leaf of the group is row-shaped: the blocks of a
+    flat vector of the leaves, so the pieces reduce to the whole reduction."""
+    reducer = REDUCERS[name]()
+    rng = np.random.default_rng(4)
+    n = lambda *shape: jnp.asarray(rng.normal(size=(3, *shape)), jnp.float32)
+    payload = {"w": n(3, 16), "v": n(2, 5, 8), "h": n(7, 8).astype(jnp.bfloat16)}
+    plan = chunks.plan(jax.tree.map(lambda x: x[0], payload), reducer, K, lanes=8)
+    assert plan.lanes == (8,) and plan.piece_shape(0) == (plan.units[0], 8)
+    want = jax.jit(jax.vmap(_whole(reducer), axis_name="replica"))(payload)
+    got = jax.jit(jax.vmap(_spread(reducer, K, lanes=8), axis_name="replica"))(payload)
+    for k in payload:
+        assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, k
+        # the same decoded values averaged, fused into differently shaped loops
+        np.testing.assert_allclose(
+            np.asarray(got[k], np.float32), np.asarray(want[k], np.float32), rtol=1e-6, atol=1e-7
+        )
+
+
 def test_rows_are_the_default_for_large_groups_only():
     big = {"w": jnp.zeros((64, 2 * chunks.LANES)), "b": jnp.zeros(37)}
     reducer = comm.all_gather_mean()
     assert chunks.plan(big, reducer, 2).lanes == (chunks.LANES,)
     assert chunks.plan(big, reducer, 3).lanes == (0,)  # under MIN_ROWS rows a chunk
-    assert chunks.plan(big, REDUCERS["int8"](), 2).lanes == (0,)  # a codec's blocks
-    with pytest.raises(ValueError, match="lanes=8"):
-        chunks.plan(big, REDUCERS["int8"](), 2, lanes=8)
+    # a codec's blocks: flat where a leaf is not in rows ("b"), in rows where every one is
+    assert chunks.plan(big, REDUCERS["int8"](), 2).lanes == (0,)
+    assert chunks.plan({"w": big["w"]}, REDUCERS["int8"](), 2).lanes == (chunks.LANES,)
+    with pytest.raises(ValueError, match="lanes=4"):  # blocks of 8 do not tile a row of 4
+        chunks.plan(big, REDUCERS["int8"](), 2, lanes=4)
+    two_step = CLOSE["two_step_int8"]()  # reduces a chunk in stages: flat
+    assert chunks.plan({"w": big["w"]}, two_step, 2).lanes == (0,)
 
 
 def test_chunk_cuts_respect_the_codec_block():
