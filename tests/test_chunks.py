@@ -99,6 +99,18 @@ def _rows_payload(R=4, seed=3, lanes=8):
     }
 
 
+def _in_rows_and_whole(reducer, payload, K, lanes=8):
+    """(spread in rows of ``lanes``, whole) reductions of ``payload``, shapes and dtypes
+    checked alike."""
+    plan = chunks.plan(jax.tree.map(lambda x: x[0], payload), reducer, K, lanes=lanes)
+    assert plan.lanes == (lanes,) and plan.piece_shape(0) == (plan.units[0], lanes)
+    want = jax.jit(jax.vmap(_whole(reducer), axis_name="replica"))(payload)
+    got = jax.jit(jax.vmap(_spread(reducer, K, lanes=lanes), axis_name="replica"))(payload)
+    for k in payload:
+        assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, k
+    return got, want
+
+
 @pytest.mark.parametrize("K", [1, 2, 3, 7])
 @pytest.mark.parametrize("name", ["pmean", "all_gather", "ring"])
 @pytest.mark.cases("first", 4)
@@ -107,12 +119,8 @@ def test_chunks_in_rows_equal_the_whole(name, K):
     row-shaped leaves keep their rows, the rest is packed; the pieces reduce to the whole."""
     reducer = {**REDUCERS, **CLOSE}.get(name, lambda: comm.ring_mean())()
     payload = _rows_payload()
-    plan = chunks.plan(jax.tree.map(lambda x: x[0], payload), reducer, K, lanes=8)
-    assert plan.lanes == (8,) and plan.piece_shape(0) == (plan.units[0], 8)
-    want = jax.jit(jax.vmap(_whole(reducer), axis_name="replica"))(payload)
-    got = jax.jit(jax.vmap(_spread(reducer, K, lanes=8), axis_name="replica"))(payload)
+    got, want = _in_rows_and_whole(reducer, payload, K)
     for k in payload:
-        assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, k
         if name == "ring":
             np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6)
         elif name == "pmean" and k == "h":
@@ -135,12 +143,8 @@ def test_codec_chunks_in_rows_equal_the_whole(name, K):
     rng = np.random.default_rng(4)
     n = lambda *shape: jnp.asarray(rng.normal(size=(3, *shape)), jnp.float32)
     payload = {"w": n(3, 16), "v": n(2, 5, 8), "h": n(7, 8).astype(jnp.bfloat16)}
-    plan = chunks.plan(jax.tree.map(lambda x: x[0], payload), reducer, K, lanes=8)
-    assert plan.lanes == (8,) and plan.piece_shape(0) == (plan.units[0], 8)
-    want = jax.jit(jax.vmap(_whole(reducer), axis_name="replica"))(payload)
-    got = jax.jit(jax.vmap(_spread(reducer, K, lanes=8), axis_name="replica"))(payload)
+    got, want = _in_rows_and_whole(reducer, payload, K)
     for k in payload:
-        assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, k
         # the same decoded values averaged, fused into differently shaped loops
         np.testing.assert_allclose(
             np.asarray(got[k], np.float32), np.asarray(want[k], np.float32), rtol=1e-6, atol=1e-7
