@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import co2jax
 from co2jax import comm
+from co2jax.comm import packing
 
 TOL = harness.TOL[jnp.dtype(jnp.float32)]
 
@@ -205,10 +206,10 @@ def test_packed_rows_unpack_to_the_same_bits(leaves):
     """pack_rows then unpack_rows gives every leaf back bit for bit, for 3 rows of each."""
     rng = np.random.default_rng(1)
     arrays = [jnp.asarray(rng.normal(size=(3, *shape)) * 100).astype(dt) for dt, shape in leaves]
-    words = comm.reducer.pack_rows(arrays)
+    words = packing.pack_rows(arrays)
     assert words.dtype == jnp.uint32 and words.shape[0] == 3
     likes = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in arrays]
-    for got, want in zip(comm.reducer.unpack_rows(words, likes), arrays, strict=True):
+    for got, want in zip(packing.unpack_rows(words, likes), arrays, strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     if words.shape[-1] == 128:  # int8 codes 4 rows a word: 128 rows; scales 4 rows; 1 row

@@ -41,16 +41,8 @@ import jax.numpy as jnp
 
 from co2jax._checks import check_axis_name, check_choice
 from co2jax.axes import REPLICA, axis_size
-from co2jax.comm.reducer import (
-    Encoded,
-    Grouped,
-    Payload,
-    Reducer,
-    pack_rows,
-    pmean,
-    ring_bytes,
-    unpack_rows,
-)
+from co2jax.comm.packing import pack_rows, unpack_rows
+from co2jax.comm.reducer import Encoded, Grouped, Payload, Reducer, pmean, ring_bytes
 from co2jax.tree import common_dtype, flatten, tree_size
 
 
@@ -103,7 +95,7 @@ def exchange(pieces: jax.Array, axis_name: str = REPLICA) -> jax.Array:
 def exchange_tree(tree: Any, axis_name: str = REPLICA) -> Any:
     """Every leaf of ``tree`` (each ``[R, ...]``, row j for replica j) exchanged as by
     :func:`exchange`; several leaves (an encoding's values and scales) packed into one
-    buffer of 32-bit words per row (:func:`co2jax.comm.reducer.pack_rows`), so each shift
+    buffer of 32-bit words per row (:func:`co2jax.comm.packing.pack_rows`), so each shift
     is one ``ppermute``, as one all-gather carries an encoding (``all_gather_tree``).
 
     Example:
